@@ -1,0 +1,296 @@
+"""FastAPI application: jobs, SSE token streams, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import redis.asyncio as aioredis
+from celery import Celery
+from fastapi import FastAPI, Header, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.auth import Tenant, authenticate
+from api.errors import ApiError, bad_request, handle_api_error, not_found, unavailable
+from api.metrics import ApiMetrics
+from api.prompts import PromptRenderer
+from api.schemas import JobAccepted, JobRequest, parse_job_request
+from store import SessionOwnerError, Store
+from tasks.app import make_app, send_generate
+from tasks.payloads import GeneratePayload, Sampling
+from tidegate import keys
+from tidegate.events import Event
+from tidegate.settings import Settings, get_settings
+
+log = logging.getLogger("tidegate.api")
+
+SSE_BLOCK_MS = 15_000  # an SSE comment is sent this often while a job is quiet
+
+
+class Deps:
+    """What the handlers share; built once at startup."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store(settings.db_url)
+        # Reads block up to SSE_BLOCK_MS: the socket timeout must be longer.
+        self.redis = aioredis.Redis.from_url(settings.redis_url,
+                                             socket_timeout=SSE_BLOCK_MS / 1000 + 10)
+        self.celery: Celery = make_app(settings)
+        self.prompts = PromptRenderer(settings.model_path)
+        self.metrics = ApiMetrics()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    deps = Deps(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        follower = asyncio.create_task(deps.metrics.follow(deps.redis, settings.namespace))
+        yield
+        follower.cancel()
+        await deps.redis.aclose()
+
+    app = FastAPI(title="tidegate", version="0.1.0", lifespan=lifespan)
+    app.state.deps = deps
+    app.add_exception_handler(ApiError, handle_api_error)
+    _routes(app, deps)
+    return app
+
+
+def _routes(app: FastAPI, deps: Deps) -> None:
+    @app.post("/v1/jobs", status_code=202)
+    async def submit(request: Request, idempotency_key: str | None = Header(None)) -> JSONResponse:
+        tenant = await authenticate(deps.store, request)
+        req = parse_job_request(await _json_body(request, deps))
+        accepted = await asyncio.to_thread(_enqueue, deps, tenant, req, idempotency_key)
+        return JSONResponse(accepted.model_dump(), status_code=202 if accepted.created else 200)
+
+    @app.get("/v1/jobs/{job_id}")
+    async def get_job(job_id: str, request: Request) -> JSONResponse:
+        tenant = await authenticate(deps.store, request)
+        job = await asyncio.to_thread(deps.store.get_job, job_id, tenant.id)
+        if job is None:
+            raise not_found("job")
+        return JSONResponse(_job_json(job))
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def cancel(job_id: str, request: Request) -> JSONResponse:
+        tenant = await authenticate(deps.store, request)
+        job = await asyncio.to_thread(_cancel, deps, job_id, tenant.id)
+        return JSONResponse(_job_json(job))
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def events(job_id: str, request: Request,
+                     last_event_id: str | None = Header(None)) -> StreamingResponse:
+        tenant = await authenticate(deps.store, request)
+        if await asyncio.to_thread(deps.store.get_job, job_id, tenant.id) is None:
+            raise not_found("job")
+        after = _parse_last_event_id(last_event_id or request.query_params.get("last_event_id"))
+        return StreamingResponse(_sse(deps, job_id, after), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        checks = await _readiness(deps)
+        ok = all(c["ok"] for c in checks.values())
+        return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(deps.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _json_body(request: Request, deps: Deps) -> Any:
+    limit = deps.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "body", f"body: not valid JSON ({exc})") from None
+
+
+def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None) -> JobAccepted:
+    lane = deps.settings.lanes.get(req.lane)
+    if lane is None:
+        known = ", ".join(sorted(deps.settings.lanes))
+        raise bad_request("lane", f"lane: unknown lane {req.lane!r}; lanes are {known}")
+    if req.lane not in tenant.lanes:
+        raise ApiError(403, "lane", f"lane: this API key may not use lane {req.lane!r}",
+                       kind="forbidden")
+    _check_limits(deps, req)
+    prompt = deps.prompts.render(req)
+    prompt_tokens = deps.prompts.count(prompt)
+    _check_prompt(deps, req, prompt_tokens)
+    priority = lane.default_priority if req.priority is None else req.priority
+    deadline_s = req.deadline_s or lane.deadline_s
+    job, created = deps.store.create_job(
+        str(uuid.uuid4()), tenant.id, req.lane, lane.queue, priority, req.session_id,
+        asdict(_sampling(req)), prompt_tokens, idempotency_key=req.idempotency_key or header_key)
+    if created:
+        turn = _session_turn(deps, job.id, tenant.id, req.session_id)
+        payload = GeneratePayload(job_id=job.id, lane=req.lane, prompt=prompt,
+                                  prompt_tokens=prompt_tokens, sampling=_sampling(req),
+                                  session_id=req.session_id, turn=turn,
+                                  deadline_at=time.time() + deadline_s)
+        _publish(deps, job.id, payload, lane.queue, priority)
+        deps.metrics.jobs.labels(req.lane).inc()
+    return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
+                       priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
+                       created=created)
+
+
+def _session_turn(deps: Deps, job_id: str, tenant_id: int, session_id: str | None) -> int:
+    if session_id is None:
+        return 0
+    try:
+        return deps.store.touch_session(session_id, tenant_id, None)
+    except SessionOwnerError:
+        deps.store.delete_job(job_id)
+        raise ApiError(403, "session_id", "session_id: this session belongs to another tenant",
+                       kind="forbidden") from None
+
+
+def _check_limits(deps: Deps, req: JobRequest) -> None:
+    lane = deps.settings.lanes[req.lane]
+    if req.max_tokens > lane.max_output_tokens:
+        raise bad_request("max_tokens", f"max_tokens: {req.max_tokens} is above the limit of "
+                          f"lane {lane.name!r} ({lane.max_output_tokens})")
+    if req.deadline_s is not None and req.deadline_s > lane.deadline_s:
+        raise bad_request("deadline_s", f"deadline_s: {req.deadline_s} is above the limit of "
+                          f"lane {lane.name!r} ({lane.deadline_s})")
+
+
+def _check_prompt(deps: Deps, req: JobRequest, prompt_tokens: int) -> None:
+    field = "prompt" if req.prompt is not None else "messages"
+    lane = deps.settings.lanes[req.lane]
+    if prompt_tokens > lane.max_prompt_tokens:
+        raise bad_request(field, f"{field}: the prompt is {prompt_tokens} tokens; lane "
+                          f"{lane.name!r} allows {lane.max_prompt_tokens}")
+    context = deps.settings.max_model_len
+    if prompt_tokens + req.max_tokens > context:
+        raise bad_request(field, f"{field}: the prompt ({prompt_tokens} tokens) plus max_tokens "
+                          f"({req.max_tokens}) exceeds the model's context of {context} tokens")
+
+
+def _sampling(req: JobRequest) -> Sampling:
+    return Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    seed=req.seed)
+
+
+def _publish(deps: Deps, job_id: str, payload: GeneratePayload, queue: str, priority: int) -> None:
+    try:
+        send_generate(deps.celery, payload, queue, priority)
+    except Exception as exc:  # the broker is down: take the row back, the caller retries
+        log.error("enqueue of job %s failed: %s", job_id, type(exc).__name__)
+        deps.store.delete_job(job_id)
+        raise unavailable("the job queue is unavailable; retry later") from None
+
+
+def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
+    job = deps.store.cancel_job(job_id, tenant_id)
+    if job is None:
+        raise not_found("job")
+    if job.status != "cancelled":
+        return job  # already finished: nothing to cancel
+    import redis as syncredis
+
+    client = syncredis.Redis.from_url(deps.settings.redis_url)
+    ns = deps.settings.namespace
+    client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
+    client.publish(keys.cancel_channel(ns), job_id)
+    if job.started_at is None:  # no worker will ever run it: end its stream here
+        done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
+        client.xadd(keys.job_events(ns, job_id), {"e": done.to_json()}, id=keys.stream_id(0))
+        client.expire(keys.job_events(ns, job_id), deps.settings.stream_ttl_s)
+    client.close()
+    return job
+
+
+def _parse_last_event_id(raw: str | None) -> int:
+    if raw is None or raw == "":
+        return -1
+    try:
+        value = int(raw)
+    except ValueError:
+        raise bad_request("last-event-id", "last-event-id: must be an event's integer id") from None
+    if value < -1:
+        raise bad_request("last-event-id", "last-event-id: must be -1 or more")
+    return value
+
+
+async def _sse(deps: Deps, job_id: str, after: int) -> AsyncIterator[bytes]:
+    """Events after seq `after`, read from the job's stream: resumable, never repeated."""
+    key = keys.job_events(deps.settings.namespace, job_id)
+    last_id = keys.stream_id(after) if after >= 0 else "0-0"
+    while True:
+        reply = await deps.redis.xread({key: last_id}, block=SSE_BLOCK_MS, count=256)
+        if not reply:
+            yield b": keep-alive\n\n"
+            continue
+        for entry_id, fields in reply[0][1]:
+            last_id = entry_id
+            event = Event.from_json(fields[b"e"])
+            yield _sse_frame(event)
+            if event.terminal:
+                return
+
+
+def _sse_frame(event: Event) -> bytes:
+    return f"id: {event.seq}\nevent: {event.kind}\ndata: {event.to_json()}\n\n".encode()
+
+
+def _job_json(job: Any) -> dict[str, Any]:
+    body = asdict(job)
+    body.pop("tenant_id", None)
+    body.pop("idempotency_key", None)
+    for name, value in body.items():
+        if hasattr(value, "isoformat"):
+            body[name] = value.isoformat()
+    return body
+
+
+async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
+    checks: dict[str, dict[str, Any]] = {}
+    try:
+        await deps.redis.ping()
+        checks["redis"] = {"ok": True}
+    except aioredis.RedisError as exc:
+        checks["redis"] = {"ok": False, "error": type(exc).__name__}
+    try:
+        await asyncio.to_thread(deps.store.count_jobs)
+        checks["database"] = {"ok": True}
+    except Exception as exc:
+        checks["database"] = {"ok": False, "error": type(exc).__name__}
+    checks["workers"] = await _workers_check(deps) if checks["redis"]["ok"] else {"ok": False}
+    return checks
+
+
+async def _workers_check(deps: Deps) -> dict[str, Any]:
+    ready = []
+    pattern = keys.worker_heartbeat_pattern(deps.settings.namespace)
+    async for key in deps.redis.scan_iter(match=pattern, count=100):
+        raw = await deps.redis.get(key)
+        if raw and json.loads(raw).get("state") == "active":
+            ready.append(json.loads(raw)["name"])
+    return {"ok": bool(ready), "active": sorted(ready)}

@@ -1,0 +1,29 @@
+"""Bearer API keys: a tenant is whoever holds a key whose hash is stored and not revoked."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from api.errors import unauthorized
+from store import Store
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: int
+    name: str
+    lanes: frozenset[str]
+
+
+async def authenticate(store: Store, request: Request) -> Tenant:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise unauthorized("authorization: missing `Authorization: Bearer <API key>` header")
+    record = await asyncio.to_thread(store.tenant_by_key, key.strip())
+    if record is None:
+        raise unauthorized("authorization: unknown or revoked API key")
+    return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes))

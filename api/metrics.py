@@ -1,0 +1,65 @@
+"""Prometheus histograms of the API: queue wait, TTFT, TPOT and end-to-end time by lane.
+
+Workers append a summary of every finished job to one Redis stream; the API follows it
+and observes the histograms, so `/metrics` covers jobs whichever worker ran them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tidegate import keys
+
+log = logging.getLogger("tidegate.api")
+
+_MS_BUCKETS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+
+
+class ApiMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_wait = Histogram("tidegate_queue_wait_ms", "Time from enqueue to a worker "
+                                    "starting the job", ["lane"], buckets=_MS_BUCKETS, registry=r)
+        self.ttft = Histogram("tidegate_ttft_ms", "Time from a worker starting the job to its first token",
+                              ["lane"], buckets=_MS_BUCKETS, registry=r)
+        self.tpot = Histogram("tidegate_tpot_ms", "Time per output token after the first",
+                              ["lane"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+                              registry=r)
+        self.e2e = Histogram("tidegate_e2e_ms", "Time from enqueue to the job's end", ["lane"],
+                             buckets=_MS_BUCKETS, registry=r)
+        self.jobs = Counter("tidegate_jobs_total", "Jobs accepted by the API", ["lane"],
+                            registry=r)
+        self.finished = Counter("tidegate_jobs_finished_total", "Jobs finished, by status",
+                                ["lane", "status"], registry=r)
+        self.rejected = Counter("tidegate_requests_rejected_total", "Requests refused, by field",
+                                ["field"], registry=r)
+
+    def observe(self, s: dict[str, object]) -> None:
+        lane = str(s.get("lane", ""))
+        self.finished.labels(lane, str(s.get("status", ""))).inc()
+        for hist, name in ((self.queue_wait, "queue_wait_ms"), (self.ttft, "ttft_ms"),
+                           (self.tpot, "tpot_ms"), (self.e2e, "e2e_ms")):
+            value = s.get(name)
+            if isinstance(value, int | float):
+                hist.labels(lane).observe(float(value))
+
+    async def follow(self, client: aioredis.Redis, namespace: str) -> None:
+        """Observe every job that finishes from now on (runs until cancelled)."""
+        stream, last = keys.finished_stream(namespace), "$"
+        while True:
+            try:
+                reply = await client.xread({stream: last}, block=5000, count=500)
+            except aioredis.RedisError as exc:
+                log.warning("metrics follower lost Redis: %s", exc)
+                await asyncio.sleep(1)
+                continue
+            for _, entries in reply or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    self.observe(json.loads(fields[b"s"]))

@@ -1,0 +1,75 @@
+"""Request and response bodies of the jobs API."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from api.errors import ApiError
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(min_length=1)
+
+
+class JobRequest(BaseModel):
+    """POST /v1/jobs. Lane limits are checked after this, against the lanes file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lane: str = Field(min_length=1, max_length=64)
+    priority: int | None = Field(None, ge=0, le=9)  # 0 is served first; default: the lane's
+    session_id: str | None = Field(None, min_length=1, max_length=128)
+    messages: list[Message] | None = None
+    prompt: str | None = None  # raw prompt, no chat template
+    max_tokens: int = Field(128, gt=0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    deadline_s: float | None = Field(None, gt=0)  # default and cap: the lane's deadline
+    idempotency_key: str | None = Field(None, min_length=1, max_length=128)
+
+    @field_validator("temperature", "top_p", "deadline_s")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError("must be a finite number")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> JobRequest:
+        if not self.messages and not self.prompt:
+            raise ValueError("give `messages` (a non-empty list) or `prompt`")
+        if self.messages and self.prompt:
+            raise ValueError("give either `messages` or `prompt`, not both")
+        return self
+
+
+def parse_job_request(body: object) -> JobRequest:
+    try:
+        return JobRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _field_error(exc) from None
+
+
+def _field_error(exc: ValidationError) -> ApiError:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err["loc"]]
+    field = ".".join(loc) if loc else "messages"
+    msg = err["msg"].removeprefix("Value error, ")
+    return ApiError(422, field, f"{field}: {msg}")
+
+
+class JobAccepted(BaseModel):
+    job_id: str
+    status: str
+    lane: str
+    queue: str
+    priority: int
+    events_url: str
+    created: bool  # False when an idempotency key matched an earlier job

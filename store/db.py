@@ -1,0 +1,398 @@
+"""The Store: every read and write of tenants, jobs and chat sessions.
+
+Methods open a short transaction each and return frozen records (store.records), so one
+Store is shared by all threads of a process. Job state changes that can race (claim,
+first token, finish, cancel) are single UPDATEs guarded by the current status, or run
+under a row lock (PostgreSQL) / the database write lock (SQLite).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import delete, func, literal, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from store.engine import WRITE_OPTION, is_sqlite_memory, make_engine, normalize_url
+from store.models import (
+    ACTIVE_STATUSES,
+    CANCELLED,
+    EXPIRED,
+    QUEUED,
+    RUNNING,
+    TERMINAL_STATUSES,
+    Base,
+    ChatSession,
+    Job,
+    Tenant,
+    UTCDateTime,
+)
+from store.records import (
+    JobRecord,
+    SessionOwnerError,
+    SessionRecord,
+    TenantExistsError,
+    TenantRecord,
+    job_record,
+    session_record,
+    tenant_record,
+)
+
+# Resolved from this file, so it works from any cwd and from an installed package.
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+API_KEY_PREFIX = "tg_"
+# Jobs stopped from outside while a worker may still be generating: the worker's finish
+# fills in usage and output but does not change the status.
+_STOPPED = frozenset({CANCELLED, EXPIRED})
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def hash_key(api_key: str) -> str:
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def alembic_config(url: str) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    rendered = normalize_url(url).render_as_string(hide_password=False)
+    # The config is a ConfigParser: a literal % (in an encoded password) must be doubled.
+    config.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
+    return config
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Run the Alembic migrations on the database at url."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def _aware(at: datetime) -> datetime:
+    if at.tzinfo is None:
+        raise ValueError("naive datetime: pass a timezone-aware datetime")
+    return at.astimezone(UTC)
+
+
+def _ms(start: datetime | None, end: datetime | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (end - start).total_seconds() * 1000.0
+
+
+def _tpot_ms(
+    first_token_at: datetime | None, finished_at: datetime, tokens: int | None
+) -> float | None:
+    """Time per output token after the first one."""
+    span = _ms(first_token_at, finished_at)
+    if span is None or tokens is None or tokens <= 1:
+        return None
+    return span / (tokens - 1)
+
+
+class Store:
+    def __init__(self, url: str, **engine_options: Any) -> None:
+        self.url = normalize_url(url)
+        self.engine = make_engine(self.url, **engine_options)
+        self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
+        write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
+        self._write_sessions = sessionmaker(write_engine, expire_on_commit=False)
+        # In-memory SQLite is one shared connection: it can hold one transaction at a time.
+        self._serial: AbstractContextManager[Any] = (
+            threading.Lock() if is_sqlite_memory(self.url) else nullcontext()
+        )
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def create_schema(self) -> None:
+        """Create the tables without migrations (tests)."""
+        Base.metadata.create_all(self.engine)
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._serial, self.sessionmaker() as session:
+            yield session
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        with self._serial, self._write_sessions.begin() as session:
+            yield session
+
+    # -- tenants ---------------------------------------------------------------------
+
+    def create_tenant(self, name: str, lanes: list[str]) -> tuple[TenantRecord, str]:
+        """Create a tenant; returns its record and its API key (only the hash is stored)."""
+        if not name:
+            raise ValueError("tenant name is empty")
+        api_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
+        tenant = Tenant(
+            name=name, key_hash=hash_key(api_key), lanes=list(lanes), created_at=utcnow()
+        )
+        try:
+            with self._write() as session:
+                session.add(tenant)
+                session.flush()
+                record = tenant_record(tenant)
+        except IntegrityError as exc:
+            raise TenantExistsError(name) from exc
+        return record, api_key
+
+    def tenant_by_key(self, api_key: str) -> TenantRecord | None:
+        """The active tenant holding api_key; None when unknown or revoked."""
+        stmt = select(Tenant).where(
+            Tenant.key_hash == hash_key(api_key), Tenant.revoked_at.is_(None)
+        )
+        with self._read() as session:
+            tenant = session.scalars(stmt).one_or_none()
+            return tenant_record(tenant) if tenant else None
+
+    def list_tenants(self) -> list[TenantRecord]:
+        with self._read() as session:
+            return [tenant_record(t) for t in session.scalars(select(Tenant).order_by(Tenant.id))]
+
+    def revoke_tenant(self, name: str) -> bool:
+        """Revoke a tenant's key; False when unknown or already revoked."""
+        stmt = (
+            update(Tenant)
+            .where(Tenant.name == name, Tenant.revoked_at.is_(None))
+            .values(revoked_at=utcnow())
+            .returning(Tenant.id)
+        )
+        with self._write() as session:
+            return session.scalar(stmt) is not None
+
+    # -- jobs ------------------------------------------------------------------------
+
+    def create_job(
+        self,
+        job_id: str,
+        tenant_id: int,
+        lane: str,
+        queue: str,
+        priority: int,
+        session_id: str | None,
+        sampling: dict[str, Any],
+        prompt_tokens: int,
+        idempotency_key: str | None = None,
+    ) -> tuple[JobRecord, bool]:
+        """Write a queued job; with an idempotency key already used by this tenant, return
+        that job instead and created=False."""
+        if idempotency_key is not None:
+            existing = self._job_by_key(tenant_id, idempotency_key)
+            if existing is not None:
+                return existing, False
+        job = Job(
+            id=job_id,
+            tenant_id=tenant_id,
+            lane=lane,
+            queue=queue,
+            priority=priority,
+            session_id=session_id,
+            status=QUEUED,
+            idempotency_key=idempotency_key,
+            sampling=dict(sampling),
+            prompt_tokens=prompt_tokens,
+            enqueued_at=utcnow(),
+            attempts=0,
+        )
+        try:
+            with self._write() as session:
+                session.add(job)
+                session.flush()
+                return job_record(job), True
+        except IntegrityError:
+            # A concurrent request with the same key won the insert: answer with its job.
+            existing = self._job_by_key(tenant_id, idempotency_key) if idempotency_key else None
+            if existing is None:
+                raise
+            return existing, False
+
+    def _job_by_key(self, tenant_id: int, idempotency_key: str) -> JobRecord | None:
+        stmt = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)
+        with self._read() as session:
+            job = session.scalars(stmt).one_or_none()
+            return job_record(job) if job else None
+
+    def get_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
+        """The job; with tenant_id, None unless the job belongs to that tenant."""
+        with self._read() as session:
+            job = session.get(Job, job_id)
+            if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
+                return None
+            return job_record(job)
+
+    def delete_job(self, job_id: str) -> bool:
+        """Remove a job row (its enqueue failed after the row was written)."""
+        with self._write() as session:
+            return session.scalar(delete(Job).where(Job.id == job_id).returning(Job.id)) is not None
+
+    def count_jobs(self, status: str | None = None) -> int:
+        stmt = select(func.count()).select_from(Job)
+        if status is not None:
+            stmt = stmt.where(Job.status == status)
+        with self._read() as session:
+            return session.scalar(stmt) or 0
+
+    def claim_job(self, job_id: str, worker: str, engine: str) -> JobRecord | None:
+        """Move a queued job (or a running one, redelivered after a worker death) to running.
+
+        One guarded UPDATE, so concurrent deliveries serialize on the row and each sees
+        the attempts count of the one before. started_at and queue_wait_ms are set by the
+        first claim only. None, and nothing changed, when the job is terminal or unknown.
+        """
+        now = utcnow()
+        with self._write() as session:
+            enqueued_at = session.scalar(select(Job.enqueued_at).where(Job.id == job_id))
+            if enqueued_at is None:
+                return None
+            stmt = (
+                update(Job)
+                .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
+                .values(
+                    status=RUNNING,
+                    started_at=func.coalesce(Job.started_at, literal(now, UTCDateTime())),
+                    queue_wait_ms=func.coalesce(Job.queue_wait_ms, _ms(enqueued_at, now)),
+                    worker=worker,
+                    engine=engine,
+                    attempts=Job.attempts + 1,
+                )
+                .returning(Job)
+                .execution_options(synchronize_session=False)
+            )
+            job = session.scalars(stmt).one_or_none()
+            return job_record(job) if job else None
+
+    def mark_first_token(self, job_id: str, at: datetime) -> bool:
+        """Record the first token's time and TTFT (from started_at); only the first call counts."""
+        at = _aware(at)
+        with self._write() as session:
+            started_at = session.scalar(select(Job.started_at).where(Job.id == job_id))
+            stmt = (
+                update(Job)
+                .where(Job.id == job_id, Job.first_token_at.is_(None))
+                .values(first_token_at=at, ttft_ms=_ms(started_at, at))
+                .returning(Job.id)
+                .execution_options(synchronize_session=False)
+            )
+            return session.scalar(stmt) is not None
+
+    def finish_job(
+        self,
+        job_id: str,
+        status: str,
+        *,
+        finish_reason: str | None = None,
+        output_text: str | None = None,
+        completion_tokens: int | None = None,
+        error: str | None = None,
+        finished_at: datetime | None = None,
+    ) -> bool:
+        """Move a queued or running job to a terminal status; True when this call did.
+
+        A job cancelled or expired meanwhile keeps its status but gets the usage, output
+        and times it lacks; any other terminal job is left as it is.
+        """
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"not a terminal status: {status!r}")
+        end = _aware(finished_at) if finished_at else utcnow()
+        values = {
+            "finish_reason": finish_reason,
+            "output_text": output_text,
+            "completion_tokens": completion_tokens,
+            "error": error,
+            "finished_at": end,
+        }
+        with self._write() as session:
+            job = self._locked_job(session, job_id)
+            if job is None or (job.status in TERMINAL_STATUSES and job.status not in _STOPPED):
+                return False
+            active = job.status in ACTIVE_STATUSES
+            for name, value in values.items():
+                if value is not None and (active or getattr(job, name) is None):
+                    setattr(job, name, value)
+            if job.tpot_ms is None:
+                job.tpot_ms = _tpot_ms(job.first_token_at, end, job.completion_tokens)
+            if active:
+                job.status = status
+            return active
+
+    def cancel_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
+        """Cancel a queued or running job; terminal jobs come back unchanged.
+
+        A running job gets finished_at from its worker's finish_job, which still fills in
+        what was generated until the worker noticed.
+        """
+        with self._write() as session:
+            job = self._locked_job(session, job_id)
+            if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
+                return None
+            if job.status == QUEUED:
+                job.finished_at = utcnow()
+            if job.status in ACTIVE_STATUSES:
+                job.status = CANCELLED
+            session.flush()
+            return job_record(job)
+
+    def expire_job(self, job_id: str) -> bool:
+        """A queued or running job whose deadline passed becomes expired; True when it did."""
+        stmt = (
+            update(Job)
+            .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
+            .values(status=EXPIRED, finished_at=utcnow())
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        )
+        with self._write() as session:
+            return session.scalar(stmt) is not None
+
+    @staticmethod
+    def _locked_job(session: Session, job_id: str) -> Job | None:
+        # FOR UPDATE serializes with other writers on PostgreSQL; SQLite already holds
+        # the database write lock (BEGIN IMMEDIATE) and renders no FOR UPDATE.
+        return session.scalars(select(Job).where(Job.id == job_id).with_for_update()).one_or_none()
+
+    # -- chat sessions ---------------------------------------------------------------
+
+    def touch_session(self, session_id: str, tenant_id: int, worker: str | None) -> int:
+        """Count one more turn of a chat session (created on first use); returns the turn.
+
+        worker, when given, becomes the session's last worker (for affinity). A session id
+        owned by another tenant raises SessionOwnerError.
+        """
+        insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+        stmt = insert(ChatSession).values(
+            id=session_id, tenant_id=tenant_id, turns=1, last_worker=worker, last_seen=utcnow()
+        )
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[ChatSession.id],
+            set_={
+                "turns": ChatSession.turns + 1,
+                "last_worker": func.coalesce(stmt.excluded.last_worker, ChatSession.last_worker),
+                "last_seen": stmt.excluded.last_seen,
+            },
+            where=ChatSession.tenant_id == stmt.excluded.tenant_id,
+        )
+        with self._write() as session:
+            turns = session.scalar(stmt.returning(ChatSession.turns))
+        if turns is None:
+            raise SessionOwnerError(session_id)
+        return int(turns)
+
+    def get_session(self, session_id: str, tenant_id: int | None = None) -> SessionRecord | None:
+        with self._read() as session:
+            chat = session.get(ChatSession, session_id)
+            if chat is None or (tenant_id is not None and chat.tenant_id != tenant_id):
+                return None
+            return session_record(chat)

@@ -1,0 +1,137 @@
+"""SQLAlchemy 2 models: tenants, jobs and chat sessions.
+
+The types are portable between SQLite (default) and PostgreSQL (production). Constraint
+names follow one naming convention so migrations and batch mode on SQLite can address them.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+QUEUED = "queued"
+RUNNING = "running"
+DONE = "done"
+ERROR = "error"
+CANCELLED = "cancelled"
+EXPIRED = "expired"
+JOB_STATUSES = (QUEUED, RUNNING, DONE, ERROR, CANCELLED, EXPIRED)
+ACTIVE_STATUSES = frozenset({QUEUED, RUNNING})
+TERMINAL_STATUSES = frozenset({DONE, ERROR, CANCELLED, EXPIRED})
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware datetime stored as UTC.
+
+    SQLite has no timezone type and hands back naive values; this type makes both
+    dialects return aware UTC datetimes, so durations computed from them are correct.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime: pass a timezone-aware datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {datetime: UTCDateTime(), dict[str, Any]: JSON(), list[str]: JSON()}
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    __table_args__ = (UniqueConstraint("name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    # Only the sha256 of the API key is stored; lookups go by this hash.
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    lanes: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        CheckConstraint(
+            "status IN ('queued', 'running', 'done', 'error', 'cancelled', 'expired')",
+            name="status",
+        ),
+        # Sweeps (expiry, stuck jobs) look for old jobs in a given status.
+        Index(None, "status", "enqueued_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    # No index of its own: uq_jobs_tenant_id_idempotency_key starts with tenant_id.
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    lane: Mapped[str] = mapped_column(String(64))
+    queue: Mapped[str] = mapped_column(String(255))
+    priority: Mapped[int] = mapped_column(Integer)
+    session_id: Mapped[str | None] = mapped_column(String(255), index=True)
+    status: Mapped[str] = mapped_column(String(16), default=QUEUED)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    finish_reason: Mapped[str | None] = mapped_column(String(32))
+    error: Mapped[str | None] = mapped_column(Text)
+    output_text: Mapped[str | None] = mapped_column(Text)  # generated text, never the prompt
+    enqueued_at: Mapped[datetime]
+    started_at: Mapped[datetime | None]
+    first_token_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    queue_wait_ms: Mapped[float | None] = mapped_column(Float)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    tpot_ms: Mapped[float | None] = mapped_column(Float)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    engine: Mapped[str | None] = mapped_column(String(64))
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+
+
+class ChatSession(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(255), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    turns: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    last_worker: Mapped[str | None] = mapped_column(String(255))
+    last_seen: Mapped[datetime] = mapped_column(index=True)

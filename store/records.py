@@ -1,0 +1,112 @@
+"""Plain frozen records returned by the store, and the store's errors.
+
+Callers never get live ORM objects: these records are safe to pass between threads and
+to keep after the database session that read them is closed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+from store.models import TERMINAL_STATUSES, ChatSession, Job, Tenant
+
+
+class TenantExistsError(ValueError):
+    """A tenant with this name already exists."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"tenant {name!r} already exists")
+        self.name = name
+
+
+class SessionOwnerError(ValueError):
+    """The session id is already used by another tenant."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session {session_id!r} belongs to another tenant")
+        self.session_id = session_id
+
+
+@dataclass(frozen=True)
+class TenantRecord:
+    id: int
+    name: str
+    lanes: tuple[str, ...]
+    created_at: datetime
+    revoked_at: datetime | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    tenant_id: int
+    lane: str
+    queue: str
+    priority: int
+    session_id: str | None
+    status: str
+    idempotency_key: str | None
+    sampling: dict[str, Any]
+    prompt_tokens: int
+    completion_tokens: int | None
+    finish_reason: str | None
+    error: str | None
+    output_text: str | None
+    enqueued_at: datetime
+    started_at: datetime | None
+    first_token_at: datetime | None
+    finished_at: datetime | None
+    queue_wait_ms: float | None
+    ttft_ms: float | None
+    tpot_ms: float | None
+    worker: str | None
+    engine: str | None
+    attempts: int
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    id: str
+    tenant_id: int
+    turns: int
+    last_worker: str | None
+    last_seen: datetime
+
+
+def tenant_record(tenant: Tenant) -> TenantRecord:
+    return TenantRecord(
+        id=tenant.id,
+        name=tenant.name,
+        lanes=tuple(tenant.lanes),
+        created_at=tenant.created_at,
+        revoked_at=tenant.revoked_at,
+    )
+
+
+_JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
+
+
+def job_record(job: Job) -> JobRecord:
+    values = {name: getattr(job, name) for name in _JOB_FIELDS}
+    values["sampling"] = dict(job.sampling or {})  # a copy: the record must not alias ORM state
+    return JobRecord(**values)
+
+
+def session_record(session: ChatSession) -> SessionRecord:
+    return SessionRecord(
+        id=session.id,
+        tenant_id=session.tenant_id,
+        turns=session.turns,
+        last_worker=session.last_worker,
+        last_seen=session.last_seen,
+    )

@@ -1,0 +1,76 @@
+"""The Celery app shared by the API, workers, beat and Flower.
+
+Broker options must be identical in every process that talks to the broker: they are
+built here from the settings and nowhere else.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Exchange, Queue
+
+from tasks.payloads import GENERATE, GeneratePayload
+from tidegate.lanes import Lane
+from tidegate.settings import Settings, get_settings
+
+PRIORITY_STEPS = list(range(10))  # name all ten: the default [0,3,6,9] merges 0-2
+
+
+def visibility_timeout_s(lanes: dict[str, Lane]) -> int:
+    """Longer than queue wait plus the longest generation, or Redis redelivers a job
+    that is still running. A lane's deadline bounds both."""
+    return int(2 * max(lane.deadline_s for lane in lanes.values())) + 300
+
+
+def direct_queue(settings: Settings, worker_name: str) -> str:
+    """Each worker's own queue: session affinity and scheduler-steered work."""
+    return f"{settings.namespace}.direct.{worker_name}"
+
+
+def _queue(name: str) -> Queue:
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+def make_app(settings: Settings) -> Celery:
+    app = Celery("tidegate", broker=settings.redis_url, set_as_current=False)
+    lanes = settings.lanes
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_ignore_result=True,  # job state lives in the store and the event stream
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,  # prefetch breaks priority order
+        task_default_priority=5,  # unset would mean 0, the top
+        task_queue_max_priority=9,
+        task_default_queue="chat" if "chat" in lanes else next(iter(lanes)),
+        task_queues=[_queue(lane.queue) for lane in lanes.values()],
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "priority_steps": PRIORITY_STEPS,
+            "sep": "|",
+            "queue_order_strategy": "priority",
+            "visibility_timeout": visibility_timeout_s(lanes),
+        },
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,  # Flower shows tasks
+        task_send_sent_event=True,
+    )
+    return app
+
+
+def send_generate(app: Celery, payload: GeneratePayload, queue: str, priority: int) -> None:
+    """Publish one job; the Celery task id is the job id, so a redelivery is the same job."""
+    app.send_task(
+        GENERATE,
+        args=[payload.to_dict()],
+        task_id=payload.job_id,
+        queue=queue,
+        priority=priority,
+    )
+    # No Celery `expires`: an expired message would be dropped without a trace and its
+    # job row would stay `queued` forever. The worker ends late jobs `expired` instead.
+
+
+app = make_app(get_settings())

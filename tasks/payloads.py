@@ -1,0 +1,44 @@
+"""Task payloads: JSON dictionaries on the wire, typed dataclasses on both ends."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GENERATE = "tidegate.generate"  # task name; the worker registers its body under it
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int  # tokens to generate at most
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    seed: int | None = None  # fixed seed: a redelivered job resumes the same way
+
+
+@dataclass(frozen=True)
+class GeneratePayload:
+    """What a worker needs to run one job.
+
+    The prompt travels in the message because tidegate does not keep prompts in its
+    store; everything else about the job is read from the store by its id.
+    """
+
+    job_id: str  # also the Celery task id
+    lane: str
+    prompt: str  # the rendered prompt (chat template already applied)
+    prompt_tokens: int  # counted by the API with the model's tokenizer
+    sampling: Sampling
+    session_id: str | None = None
+    turn: int = 0  # turn number of the session (1-based), 0 for one-shot requests
+    deadline_at: float | None = None  # epoch seconds; past it the job ends `expired`
+    extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> GeneratePayload:
+        body = dict(body)
+        body["sampling"] = Sampling(**body["sampling"])
+        return cls(**body)

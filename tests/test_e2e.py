@@ -1,0 +1,176 @@
+"""The whole path on real parts: HTTP submit -> Redis lane queue -> Celery worker hosting
+vLLM on CPU -> token events over a Redis stream and pub/sub -> SSE consumer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from api.client import Client
+from tasks.app import make_app, send_generate
+from tasks.payloads import GeneratePayload, Sampling
+from tests.stack import Stack, engine_stats
+from tidegate import keys
+from tidegate.events import Event
+from tidegate.procs import wait_until
+from tidegate.settings import get_settings
+
+MESSAGES = [{"role": "user", "content": "Where is my order? It has not arrived yet."}]
+
+
+def submit(stack: Stack, lane: str = "chat", **options: object) -> str:
+    with Client(stack.base_url, stack.api_key) as client:
+        return client.submit(lane, messages=MESSAGES, **options)["job_id"]
+
+
+def consume(stack: Stack, job_id: str, last_event_id: int = -1) -> list[Event]:
+    with Client(stack.base_url, stack.api_key) as client:
+        return list(client.stream(job_id, last_event_id=last_event_id))
+
+
+def test_events_arrive_in_order_and_match_the_stored_output(stack: Stack) -> None:
+    job_id = submit(stack, "finance", max_tokens=24, temperature=0.8, seed=7)
+    events = consume(stack, job_id)
+
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert events[0].kind == "started" and events[-1].kind == "done"
+    tokens = [e for e in events if e.kind == "token"]
+    assert sum(len(e.token_ids) for e in tokens) == 24
+    job = stack.store.get_job(job_id)
+    assert job is not None and job.status == "done"
+    assert "".join(e.text for e in tokens) == job.output_text != ""
+    assert job.completion_tokens == 24 and job.finish_reason == "length"
+    assert job.engine == "vllm" and job.worker == stack.workers["finance"]
+
+
+def test_job_row_and_done_event_carry_queue_wait_ttft_tpot(stack: Stack) -> None:
+    job_id = submit(stack, "chat", max_tokens=16)
+    done = consume(stack, job_id)[-1]
+    job = stack.store.get_job(job_id)
+    assert job is not None
+    for name in ("queue_wait_ms", "ttft_ms", "tpot_ms"):
+        value = getattr(job, name)
+        assert value is not None and value >= 0, name
+        assert done.data[name] == value
+    assert done.data["usage"] == {"prompt_tokens": job.prompt_tokens, "completion_tokens": 16}
+
+
+def test_consumer_connecting_after_done_receives_every_event(stack: Stack) -> None:
+    job_id = submit(stack, "chat", max_tokens=12)
+    first = consume(stack, job_id)
+    late = consume(stack, job_id)  # the job is finished: a late consumer replays it all
+    assert late == first and late[-1].kind == "done"
+
+
+def test_last_event_id_resumes_with_exactly_the_remainder(stack: Stack) -> None:
+    job_id = submit(stack, "chat", max_tokens=20)
+    everything = consume(stack, job_id)
+    for cut in (0, 5, len(everything) - 2):
+        assert consume(stack, job_id, last_event_id=cut) == everything[cut + 1:]
+
+
+def test_pubsub_subscribers_see_the_same_events_live(stack: Stack) -> None:
+    pubsub = stack.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.psubscribe(keys.job_live(stack.namespace, "*"))
+    job_id = submit(stack, "chat", max_tokens=10)
+    streamed = consume(stack, job_id)
+    live: list[Event] = []
+    deadline = time.monotonic() + 20
+    while (not live or not live[-1].terminal) and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=1)  # None also for the subscribe confirmation
+        if message is not None and message["type"] == "pmessage":
+            event = Event.from_json(message["data"])
+            if event.job_id == job_id:
+                live.append(event)
+    pubsub.close()
+    assert live == streamed
+
+
+def test_delete_during_generation_aborts_the_engine_request(stack: Stack) -> None:
+    worker = stack.workers["finance"]
+    aborted_before = engine_stats(worker)["aborted"]
+    job_id = submit(stack, "finance", max_tokens=1800)
+    with Client(stack.base_url, stack.api_key) as client:
+        events = []
+        for event in client.stream(job_id):
+            events.append(event)
+            if event.kind == "token" and len(events) == 3:
+                assert client.cancel(job_id)["status"] == "cancelled"
+    assert events[-1].kind == "done" and events[-1].data["finish_reason"] == "cancelled"
+    generated = sum(len(e.token_ids) for e in events)
+    assert 0 < generated < 1800
+    job = stack.store.get_job(job_id)
+    assert job is not None and job.status == "cancelled"
+    stats = engine_stats(worker)
+    assert stats["aborted"] == aborted_before + 1
+    assert stats["unfinished"] == 0  # the engine no longer holds the request
+
+
+def test_32_jobs_in_flight_run_batched(stack: Stack) -> None:
+    worker = stack.workers["chat"]
+    with ThreadPoolExecutor(32) as pool:
+        job_ids = list(pool.map(lambda _: submit(stack, "chat", max_tokens=64), range(32)))
+        results = list(pool.map(lambda j: consume(stack, j), job_ids))
+    assert all(r[-1].kind == "done" for r in results)
+    assert all(sum(len(e.token_ids) for e in r) == 64 for r in results)
+    assert engine_stats(worker)["max_running_seen"] > 1
+
+
+def test_a_second_delivery_of_a_finished_job_does_not_generate_again(stack: Stack) -> None:
+    worker = stack.workers["chat"]
+    job_id = submit(stack, "chat", max_tokens=8)
+    events = consume(stack, job_id)
+    job = stack.store.get_job(job_id)
+    stats = engine_stats(worker)
+    assert job is not None
+    payload = GeneratePayload(job_id=job_id, lane="chat", prompt="redelivered", prompt_tokens=2,
+                              sampling=Sampling(max_tokens=8))
+    send_generate(make_app(get_settings()), payload, "chat", 5)
+
+    skipped = stats["outcomes"].get("skipped-terminal", 0)
+    wait_until(lambda: engine_stats(worker)["outcomes"].get("skipped-terminal", 0) > skipped,
+               20, "the worker to take the second delivery")
+    after = engine_stats(worker)
+    assert sum(after["finished_by_reason"].values()) == sum(stats["finished_by_reason"].values())
+    assert stack.stream_events(job_id) == events
+    again = stack.store.get_job(job_id)
+    assert again is not None and again.attempts == job.attempts == 1
+
+
+def test_metrics_expose_latency_histograms_by_lane(stack: Stack) -> None:
+    job_id = submit(stack, "chat", max_tokens=4)
+    consume(stack, job_id)
+    with stack.http() as http:
+        def observed() -> bool:
+            text = http.get("/metrics").text
+            return 'tidegate_ttft_ms_count{lane="chat"}' in text
+        wait_until(observed, 10, "the API to observe the finished job")
+        text = http.get("/metrics").text
+    for name in ("queue_wait_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
+        line = next(x for x in text.splitlines() if x.startswith(f'tidegate_{name}_count{{lane="chat"}}'))
+        assert float(line.split()[-1]) >= 1
+
+
+def test_readyz_reports_each_dependency(stack: Stack) -> None:
+    with stack.http() as http:
+        body = http.get("/readyz").json()
+    assert body["ready"] is True
+    assert set(stack.workers.values()) <= set(body["checks"]["workers"]["active"])
+    heartbeat = json.loads(stack.redis.get(keys.worker_heartbeat(stack.namespace,
+                                                                 stack.workers["chat"])))
+    assert heartbeat["kv_cache_dtype"] == "fp8" and heartbeat["state"] == "active"
+
+
+def test_stream_of_another_tenant_is_not_found(stack: Stack) -> None:
+    job_id = submit(stack, "chat", max_tokens=2)
+    consume(stack, job_id)
+    _, other_key = stack.store.create_tenant(f"other-{threading.get_ident()}", ["chat"])
+    with Client(stack.base_url, other_key) as other:
+        for call in (lambda: other.job(job_id), lambda: list(other.stream(job_id))):
+            try:
+                call()
+                raise AssertionError("another tenant's job was visible")
+            except Exception as exc:  # TidegateError
+                assert getattr(exc, "status", None) == 404

@@ -1,0 +1,406 @@
+"""The store against real SQLite (a temporary file) and real PostgreSQL.
+
+The schema comes from the Alembic migration (store.upgrade), not from create_all, so
+these tests also check that the migration and the models agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import FrozenInstanceError
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Index, MetaData, create_engine, text
+from sqlalchemy.exc import OperationalError
+
+from store import (
+    Base,
+    JobRecord,
+    SessionOwnerError,
+    Store,
+    TenantExistsError,
+    alembic_config,
+    make_engine,
+    upgrade,
+)
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+PG_DATABASE = "tidegate_test_store"
+PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"
+THREADS = 8
+
+
+def _pg_admin(sql: str) -> None:
+    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(sql)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    try:
+        _pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+    except OperationalError as exc:
+        pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
+    _pg_admin(f"CREATE DATABASE {PG_DATABASE}")
+    yield PG_URL
+    _pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+
+
+@pytest.fixture(
+    scope="session",
+    params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)],
+)
+def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path_factory.mktemp('store') / 'tidegate.db'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    # From an unrelated cwd: the migrations must be found relative to the package.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        upgrade(url)
+    return url
+
+
+@pytest.fixture
+def store(db_url: str) -> Iterator[Store]:
+    st = Store(db_url)
+    with st.engine.begin() as conn:
+        for table in ("sessions", "jobs", "tenants"):
+            conn.execute(text(f"DELETE FROM {table}"))
+    yield st
+    st.close()
+
+
+@pytest.fixture
+def tenant_id(store: Store) -> int:
+    return store.create_tenant("acme", ["chat", "finance"])[0].id
+
+
+def new_job(store: Store, tenant_id: int, **kw: Any) -> JobRecord:
+    args: dict[str, Any] = {
+        "job_id": str(uuid.uuid4()),
+        "tenant_id": tenant_id,
+        "lane": "chat",
+        "queue": "lane.chat",
+        "priority": 5,
+        "session_id": None,
+        "sampling": {"temperature": 0.7, "max_tokens": 32},
+        "prompt_tokens": 12,
+    }
+    args.update(kw)
+    return store.create_job(**args)[0]
+
+
+def run_together(n: int, fn: Callable[[int], Any]) -> list[Any]:
+    """Run fn(0..n-1) on n threads released at the same instant."""
+    barrier = threading.Barrier(n)
+
+    def call(i: int) -> Any:
+        barrier.wait()
+        return fn(i)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(call, range(n)))
+
+
+# -- migration -----------------------------------------------------------------------
+
+
+def _diff(url: str, metadata: MetaData) -> list[Any]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            context = MigrationContext.configure(conn, opts={"compare_type": True})
+            return list(compare_metadata(context, metadata))
+    finally:
+        engine.dispose()
+
+
+def test_migration_matches_models(db_url: str) -> None:
+    assert _diff(db_url, Base.metadata) == []
+    # The comparison is sensitive: an index the migration lacks shows up.
+    changed = MetaData(naming_convention=Base.metadata.naming_convention)
+    for table in Base.metadata.sorted_tables:
+        table.to_metadata(changed)
+    Index("ix_jobs_lane", changed.tables["jobs"].c.lane)
+    assert [d[0] for d in _diff(db_url, changed)] == ["add_index"]
+
+
+def test_upgrade_is_at_head_and_repeatable(db_url: str) -> None:
+    upgrade(db_url)  # a second run is a no-op
+    head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        assert MigrationContext.configure(conn).get_current_revision() == head == "0001"
+    engine.dispose()
+
+
+# -- tenants -------------------------------------------------------------------------
+
+
+def test_tenant_key_round_trip_and_revoke(store: Store) -> None:
+    tenant, key = store.create_tenant("acme", ["chat", "finance"])
+    assert key.startswith("tg_") and len(key) > 40
+    assert tenant.lanes == ("chat", "finance") and tenant.active
+    assert store.tenant_by_key(key) == tenant
+    assert store.tenant_by_key(key + "x") is None
+    with store.engine.connect() as conn:
+        stored = conn.execute(text("SELECT key_hash FROM tenants")).scalar_one()
+    assert stored == hashlib.sha256(key.encode()).hexdigest()  # the key itself is not stored
+
+    with pytest.raises(TenantExistsError, match="acme") as err:
+        store.create_tenant("acme", ["chat"])
+    assert isinstance(err.value, ValueError)
+
+    other, other_key = store.create_tenant("globex", ["chat"])
+    assert store.revoke_tenant("acme") is True
+    assert store.tenant_by_key(key) is None
+    assert store.revoke_tenant("acme") is False
+    assert store.revoke_tenant("nobody") is False
+    assert store.tenant_by_key(other_key) == other
+    listed = store.list_tenants()
+    assert [t.name for t in listed] == ["acme", "globex"]
+    assert listed[0].revoked_at is not None and not listed[0].active
+
+
+# -- jobs ----------------------------------------------------------------------------
+
+
+def test_create_and_read_job(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id, session_id="s1")
+    assert job.status == "queued" and job.attempts == 0 and not job.terminal
+    assert job.enqueued_at.tzinfo is not None and job.enqueued_at.utcoffset() == timedelta(0)
+    assert store.get_job(job.id) == job
+    assert store.get_job("no-such-job") is None
+    with pytest.raises(FrozenInstanceError):
+        job.status = "done"  # type: ignore[misc]
+    job.sampling["temperature"] = 2.0  # a record is a copy, not a view of the row
+    assert store.get_job(job.id).sampling["temperature"] == 0.7  # type: ignore[union-attr]
+    assert store.count_jobs() == 1 and store.count_jobs("queued") == 1
+    assert store.delete_job(job.id) is True
+    assert store.delete_job(job.id) is False
+    assert store.count_jobs() == 0
+
+
+def keyed_job(store: Store, tenant_id: int, key: str) -> tuple[JobRecord, bool]:
+    return store.create_job(
+        str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {}, 3, idempotency_key=key
+    )
+
+
+def test_idempotency_key(store: Store, tenant_id: int) -> None:
+    first, created = keyed_job(store, tenant_id, "order-1")
+    assert created
+    again, created = keyed_job(store, tenant_id, "order-1")
+    assert not created and again == first
+    other_tenant = store.create_tenant("globex", ["chat"])[0].id
+    theirs, created = keyed_job(store, other_tenant, "order-1")
+    assert created and theirs.id != first.id
+    assert new_job(store, tenant_id).id != new_job(store, tenant_id).id  # no key: always new
+
+
+def test_concurrent_creates_with_one_key_make_one_job(store: Store, tenant_id: int) -> None:
+    results = run_together(THREADS, lambda i: keyed_job(store, tenant_id, "burst"))
+    assert sum(created for _, created in results) == 1
+    assert len({job.id for job, _ in results}) == 1
+    assert store.count_jobs() == 1
+
+
+def test_claim_semantics(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id)
+    claimed = store.claim_job(job.id, "w1", "vllm")
+    assert claimed is not None
+    assert (claimed.status, claimed.attempts, claimed.worker, claimed.engine) == (
+        "running",
+        1,
+        "w1",
+        "vllm",
+    )
+    assert claimed.started_at is not None and claimed.started_at >= job.enqueued_at
+    wait_ms = (claimed.started_at - job.enqueued_at).total_seconds() * 1000
+    assert claimed.queue_wait_ms == pytest.approx(wait_ms, abs=0.01)
+
+    # A redelivery after a worker death claims again but keeps the first start.
+    again = store.claim_job(job.id, "w2", "trtllm")
+    assert again is not None
+    assert (again.attempts, again.worker, again.engine) == (2, "w2", "trtllm")
+    assert again.started_at == claimed.started_at
+    assert again.queue_wait_ms == claimed.queue_wait_ms
+
+    assert store.finish_job(job.id, "done", completion_tokens=1, output_text="ok")
+    finished = store.get_job(job.id)
+    assert store.claim_job(job.id, "w3", "vllm") is None
+    assert store.get_job(job.id) == finished  # nothing changed
+    assert store.claim_job("no-such-job", "w1", "vllm") is None
+
+    for stop in (store.cancel_job, store.expire_job):
+        stopped = new_job(store, tenant_id)
+        stop(stopped.id)
+        assert store.claim_job(stopped.id, "w1", "vllm") is None
+        assert store.get_job(stopped.id).attempts == 0  # type: ignore[union-attr]
+
+
+def test_concurrent_claims_of_one_queued_job(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id)
+    claims = run_together(THREADS, lambda i: store.claim_job(job.id, f"w{i}", "vllm"))
+    # No lost update: each delivery saw the previous one's count, and exactly one of
+    # them moved the job out of queued (attempts == 1).
+    assert sorted(c.attempts for c in claims) == list(range(1, THREADS + 1))
+    assert len({c.started_at for c in claims}) == 1
+    final = store.get_job(job.id)
+    assert final is not None and final.attempts == THREADS and final.status == "running"
+
+
+def test_claims_racing_a_cancel(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id)
+
+    def act(i: int) -> Any:
+        if i == 0:
+            return store.cancel_job(job.id)
+        return store.claim_job(job.id, f"w{i}", "vllm")
+
+    results = run_together(THREADS + 1, act)
+    claims = [c for c in results[1:] if c is not None]
+    final = store.get_job(job.id)
+    assert final is not None and final.status == "cancelled"
+    # Claims after the cancel changed nothing; the ones before it each counted once.
+    assert final.attempts == len(claims)
+    assert sorted(c.attempts for c in claims) == list(range(1, len(claims) + 1))
+
+
+def test_first_token_and_finish_timings(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id)
+    started = store.claim_job(job.id, "w1", "vllm")
+    assert started is not None and started.started_at is not None
+    first = started.started_at + timedelta(milliseconds=250)
+    # A non-UTC aware time is the same instant once stored.
+    assert store.mark_first_token(job.id, first.astimezone(timezone(timedelta(hours=8))))
+    assert not store.mark_first_token(job.id, first + timedelta(seconds=5))  # first one wins
+    end = first + timedelta(seconds=1)
+    assert store.finish_job(
+        job.id,
+        "done",
+        finish_reason="stop",
+        output_text="hello",
+        completion_tokens=11,
+        finished_at=end,
+    )
+    done = store.get_job(job.id)
+    assert done is not None
+    assert done.first_token_at == first and done.first_token_at.tzinfo is not None
+    assert done.ttft_ms == pytest.approx(250.0)
+    assert done.tpot_ms == pytest.approx(100.0)  # 1000 ms over the 10 tokens after the first
+    assert (
+        done.status,
+        done.finish_reason,
+        done.output_text,
+        done.completion_tokens,
+        done.finished_at,
+    ) == ("done", "stop", "hello", 11, end)
+    assert not store.finish_job(job.id, "error", error="late")  # terminal: unchanged
+    assert store.get_job(job.id) == done
+
+    single = new_job(store, tenant_id)
+    store.claim_job(single.id, "w1", "vllm")
+    store.mark_first_token(single.id, datetime.now(UTC))
+    store.finish_job(single.id, "done", completion_tokens=1)
+    assert store.get_job(single.id).tpot_ms is None  # type: ignore[union-attr]
+
+    with pytest.raises(ValueError, match="naive"):
+        store.mark_first_token(single.id, datetime.now())
+    with pytest.raises(ValueError, match="terminal"):
+        store.finish_job(single.id, "running")
+
+
+def test_cancel_queued_and_running(store: Store, tenant_id: int) -> None:
+    queued = new_job(store, tenant_id)
+    cancelled = store.cancel_job(queued.id)
+    assert cancelled is not None
+    assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+
+    running = new_job(store, tenant_id)
+    store.claim_job(running.id, "w1", "vllm")
+    stopped = store.cancel_job(running.id)
+    assert stopped is not None and stopped.status == "cancelled" and stopped.finished_at is None
+    # The worker notices late: its finish fills usage and output, the status stays.
+    assert not store.finish_job(
+        running.id, "done", finish_reason="abort", output_text="par", completion_tokens=2
+    )
+    after = store.get_job(running.id)
+    assert after is not None
+    assert (after.status, after.output_text, after.completion_tokens, after.finish_reason) == (
+        "cancelled",
+        "par",
+        2,
+        "abort",
+    )
+    assert after.finished_at is not None
+    assert store.cancel_job(running.id) == after  # terminal: returned unchanged
+    assert store.cancel_job("no-such-job") is None
+
+
+def test_expire(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id)
+    assert store.expire_job(job.id)
+    assert not store.expire_job(job.id)
+    expired = store.get_job(job.id)
+    assert expired is not None and expired.status == "expired" and expired.finished_at
+
+
+def test_other_tenant_cannot_see_or_cancel(store: Store, tenant_id: int) -> None:
+    job = new_job(store, tenant_id)
+    other = store.create_tenant("globex", ["chat"])[0].id
+    assert store.get_job(job.id, tenant_id=other) is None
+    assert store.cancel_job(job.id, tenant_id=other) is None
+    assert store.get_job(job.id, tenant_id=tenant_id) == job  # unchanged
+
+
+# -- sessions ------------------------------------------------------------------------
+
+
+def test_session_turns(store: Store, tenant_id: int) -> None:
+    assert [store.touch_session("s1", tenant_id, w) for w in ("w1", None, "w2")] == [1, 2, 3]
+    chat = store.get_session("s1")
+    assert chat is not None and (chat.turns, chat.last_worker) == (3, "w2")
+    assert chat.last_seen.tzinfo is not None
+    assert store.touch_session("s1", tenant_id, None) == 4
+    assert store.get_session("s1").last_worker == "w2"  # type: ignore[union-attr]
+    assert store.get_session("nope") is None
+
+    other = store.create_tenant("globex", ["chat"])[0].id
+    with pytest.raises(SessionOwnerError):
+        store.touch_session("s1", other, "w9")
+    assert store.get_session("s1", tenant_id=other) is None
+    assert store.get_session("s1").turns == 4  # type: ignore[union-attr]
+
+
+def test_concurrent_session_turns(store: Store, tenant_id: int) -> None:
+    turns = run_together(THREADS, lambda i: store.touch_session("busy", tenant_id, f"w{i}"))
+    assert sorted(turns) == list(range(1, THREADS + 1))
+
+
+# -- in-memory SQLite ----------------------------------------------------------------
+
+
+def test_in_memory_sqlite_from_threads() -> None:
+    st = Store("sqlite://")
+    st.create_schema()
+    tid = st.create_tenant("acme", ["chat"])[0].id
+    job = new_job(st, tid)
+    claims = run_together(4, lambda i: st.claim_job(job.id, f"w{i}", "vllm"))
+    assert sorted(c.attempts for c in claims) == [1, 2, 3, 4]
+    st.close()

@@ -1,0 +1,131 @@
+"""The `tidegate` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tidegate.settings import get_settings
+
+
+def _model_build_test(args: argparse.Namespace) -> None:
+    from tidegate.testmodel import build_test_model
+
+    settings = get_settings()
+    out = build_test_model(settings.data_dir / "models" / "tidegate-test", force=args.force)
+    print(out)
+
+
+def _db_upgrade(_: argparse.Namespace) -> None:
+    from store import upgrade
+
+    url = get_settings().db_url
+    if url.startswith("sqlite:///"):
+        from pathlib import Path
+
+        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    upgrade(url)
+    print("database at head")
+
+
+def _tenant(args: argparse.Namespace) -> None:
+    from store import Store
+
+    store = Store(get_settings().db_url)
+    if args.tenant_cmd == "create":
+        lanes = [lane.strip() for lane in args.lanes.split(",") if lane.strip()]
+        unknown = sorted(set(lanes) - set(get_settings().lanes))
+        if unknown:
+            sys.exit(f"tidegate tenant create: unknown lane(s) {', '.join(unknown)}")
+        tenant, key = store.create_tenant(args.name, lanes)
+        print(f"tenant {tenant.name} created; lanes: {','.join(tenant.lanes)}")
+        print(f"API key (shown once): {key}")
+    elif args.tenant_cmd == "list":
+        for t in store.list_tenants():
+            state = "revoked" if t.revoked_at else "active"
+            print(f"{t.name:20} {','.join(t.lanes):20} {state}")
+    elif args.tenant_cmd == "revoke":
+        print("revoked" if store.revoke_tenant(args.name) else f"no tenant named {args.name!r}")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from tasks.app import app
+    from workers.service import run_worker
+
+    run_worker(app, args.lane, args.gpu, args.name, args.loglevel)
+
+
+def _api(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from api.app import create_app
+
+    settings = get_settings()
+    uvicorn.run(create_app(settings), host=args.host or settings.api_host,
+                port=args.port or settings.api_port, log_level="info")
+
+
+def _flower(args: argparse.Namespace) -> None:
+    from tasks.app import app
+
+    s = get_settings()
+    app.start(["flower", f"--port={args.port or s.flower_port}", "--address=127.0.0.1",
+               f"--basic-auth={s.flower_user}:{s.flower_password}"])
+
+
+def _status(_: argparse.Namespace) -> None:
+    from tidegate.fleet import print_fleet
+
+    print_fleet(get_settings())
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tidegate", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    model = sub.add_parser("model", help="checkpoints").add_subparsers(dest="model_cmd", required=True)
+    build = model.add_parser("build-test", help="build the small local test checkpoint")
+    build.add_argument("--force", action="store_true", help="rebuild even when cached")
+    build.set_defaults(func=_model_build_test)
+    db = sub.add_parser("db", help="database").add_subparsers(dest="db_cmd", required=True)
+    db.add_parser("upgrade", help="apply migrations").set_defaults(func=_db_upgrade)
+    _tenant_parser(sub)
+    w = sub.add_parser("worker", help="run a worker hosting one engine")
+    w.add_argument("--lane", required=True)
+    w.add_argument("--gpu", default=None, help="GPU index, pinned with CUDA_VISIBLE_DEVICES")
+    w.add_argument("--name", default=None, help="worker name (Celery node name)")
+    w.add_argument("--loglevel", default="INFO")
+    w.set_defaults(func=_worker)
+    a = sub.add_parser("api", help="run the HTTP API")
+    a.add_argument("--host", default=None)
+    a.add_argument("--port", type=int, default=None)
+    a.set_defaults(func=_api)
+    f = sub.add_parser("flower", help="run Flower with the app, behind basic auth")
+    f.add_argument("--port", type=int, default=None)
+    f.set_defaults(func=_flower)
+    sub.add_parser("status", help="show the fleet").set_defaults(func=_status)
+    return p
+
+
+def _tenant_parser(sub: Any) -> None:
+    t = sub.add_parser("tenant", help="API keys").add_subparsers(dest="tenant_cmd", required=True)
+    c = t.add_parser("create", help="create a tenant and print its API key once")
+    c.add_argument("name")
+    c.add_argument("--lanes", required=True, help="comma-separated lanes, e.g. finance,chat")
+    t.add_parser("list", help="list tenants")
+    r = t.add_parser("revoke", help="revoke a tenant's key")
+    r.add_argument("name")
+    for name in ("create", "list", "revoke"):
+        t.choices[name].set_defaults(func=_tenant)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    get_settings()  # invalid settings stop here, naming the setting
+    func: Callable[[argparse.Namespace], None] = args.func
+    func(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Every Redis key and channel tidegate uses, in one place.
+
+Schema (``{ns}`` is the deployment namespace, setting ``TIDEGATE_NAMESPACE``; pub/sub
+channels ignore the Redis DB number, so the prefix is what keeps two deployments apart):
+
+| key / channel                  | type    | written by      | lifetime                          |
+|--------------------------------|---------|-----------------|-----------------------------------|
+| ``{ns}:job:{id}:events``       | stream  | worker          | ``stream_ttl_s`` after terminal   |
+| ``{ns}:job:{id}:live``         | channel | worker          | pub/sub, at most once             |
+| ``{ns}:job:{id}:lease``        | string  | worker          | ``LEASE_TTL_S``, renewed while run|
+| ``{ns}:job:{id}:cancel``       | string  | API             | ``stream_ttl_s``                  |
+| ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
+| ``{ns}:finished``              | stream  | worker          | ``FINISHED_MAXLEN`` entries       |
+| ``{ns}:worker:{name}``         | string  | worker          | heartbeat, 5 x ``heartbeat_s``    |
+
+Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so SSE's
+``Last-Event-ID`` maps straight onto ``XREAD`` and a duplicate append is refused by Redis.
+"""
+
+from __future__ import annotations
+
+LEASE_TTL_S = 30  # a running job's lease; renewed every heartbeat while it generates
+FINISHED_MAXLEN = 100_000  # summaries of finished jobs kept for the API's metrics
+
+
+def job_events(ns: str, job_id: str) -> str:
+    return f"{ns}:job:{job_id}:events"
+
+
+def job_live(ns: str, job_id: str) -> str:
+    return f"{ns}:job:{job_id}:live"
+
+
+def job_lease(ns: str, job_id: str) -> str:
+    return f"{ns}:job:{job_id}:lease"
+
+
+def job_cancel(ns: str, job_id: str) -> str:
+    return f"{ns}:job:{job_id}:cancel"
+
+
+def cancel_channel(ns: str) -> str:
+    return f"{ns}:cancel"
+
+
+def finished_stream(ns: str) -> str:
+    return f"{ns}:finished"
+
+
+def worker_heartbeat(ns: str, name: str) -> str:
+    return f"{ns}:worker:{name}"
+
+
+def worker_heartbeat_pattern(ns: str) -> str:
+    return f"{ns}:worker:*"
+
+
+def stream_id(seq: int) -> str:
+    """Stream entry id of event ``seq`` (ids must be > 0-0, hence the +1)."""
+    return f"{seq + 1}-0"
+
+
+def seq_of(entry_id: str | bytes) -> int:
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.split("-", 1)[0]) - 1

@@ -1,0 +1,58 @@
+"""Lanes file: parsed and validated once, errors name the lane and the field."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_LANES_FILE = Path(__file__).with_name("lanes.toml")
+
+
+class Lane(BaseModel):
+    """One lane: its queue, precision profile and limits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    queue: str  # Celery queue consumed by this lane's workers
+    description: str = ""
+    dtype: Literal["float16", "bfloat16", "float32", "auto"] = "float16"  # weights
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    default_priority: int = Field(5, ge=0, le=9)  # 0 is served first
+    max_prompt_tokens: int = Field(1536, gt=0)
+    max_output_tokens: int = Field(256, gt=0)
+    deadline_s: float = Field(60.0, gt=0)  # longest a job may take, queue wait included
+    ttft_p99_objective_ms: float = Field(2000.0, gt=0)
+
+
+class LanesConfigError(ValueError):
+    """The lanes file is missing or wrong; the message names the lane and field."""
+
+
+def load_lanes(path: Path | str | None = None) -> dict[str, Lane]:
+    path = Path(path) if path else DEFAULT_LANES_FILE
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise LanesConfigError(f"lanes file {path}: {exc}") from exc
+    lanes_raw = raw.get("lanes")
+    if not isinstance(lanes_raw, dict) or not lanes_raw:
+        raise LanesConfigError(f"lanes file {path}: needs at least one [lanes.NAME] table")
+    lanes = {}
+    for name, body in lanes_raw.items():
+        try:
+            lanes[name] = Lane(name=name, **body)
+        except (ValidationError, TypeError) as exc:
+            raise LanesConfigError(f"lanes file {path}: lane {name!r}: {_first(exc)}") from exc
+    return lanes
+
+
+def _first(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        return f"field {field!r}: {err['msg']}"
+    return str(exc)

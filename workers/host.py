@@ -1,0 +1,104 @@
+"""The engine host: one engine per worker process, driven from one asyncio loop thread.
+
+Celery task threads call `run()`, which submits the generation to the loop and hands
+the deltas back through a thread-safe queue, so a slow Redis write in a task thread never
+stalls the loop that feeds every other request in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+from workers.engine import Delta, Engine, EngineRequest
+
+_END = object()
+_REMEMBER_CANCELLED = 10_000  # ids cancelled before their run started (broadcast cancels)
+
+
+class Cancelled(Exception):
+    """The job was cancelled: the engine request was aborted."""
+
+
+class DeadlineExceeded(Exception):
+    """The job ran past its deadline: the engine request was aborted."""
+
+
+class EngineHost:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._tasks: dict[str, asyncio.Task[Any]] = {}
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def _call(self, coro: Any) -> Future[Any]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def start(self, warm_prompts: list[str] | None = None) -> None:
+        self._thread.start()
+        self._call(self.engine.start()).result()
+        if warm_prompts:
+            self._call(self.engine.warm(warm_prompts)).result()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._call(self.engine.shutdown()).result(timeout=30)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    def running_ids(self) -> list[str]:
+        return list(self._tasks)
+
+    def run(self, request: EngineRequest, timeout_s: float | None = None) -> Iterator[Delta]:
+        """Deltas of one request, in order. Raises Cancelled or DeadlineExceeded."""
+        out: queue.Queue[Any] = queue.Queue()
+        self._call(self._pump(request, out, timeout_s))
+        while (item := out.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def _pump(self, request: EngineRequest, out: queue.Queue[Any], timeout_s: float | None) -> None:
+        rid = request.request_id
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[rid] = task
+        try:
+            if rid in self._cancelled:
+                raise asyncio.CancelledError
+            async with asyncio.timeout(timeout_s):
+                async for delta in self.engine.generate(request):
+                    out.put(delta)
+        except asyncio.CancelledError:
+            await self.engine.abort(rid)
+            out.put(Cancelled(rid))
+        except TimeoutError:
+            await self.engine.abort(rid)
+            out.put(DeadlineExceeded(rid))
+        except Exception as exc:  # handed to the task thread, which reports it on the job
+            out.put(exc)
+        finally:
+            self._tasks.pop(rid, None)
+            out.put(_END)
+
+    def cancel(self, request_id: str) -> None:
+        """Abort a request, whether it is running now or starts later on this worker."""
+        self.loop.call_soon_threadsafe(self._cancel, request_id)
+
+    def _cancel(self, request_id: str) -> None:
+        self._cancelled[request_id] = None
+        while len(self._cancelled) > _REMEMBER_CANCELLED:
+            self._cancelled.popitem(last=False)
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()

@@ -1,0 +1,202 @@
+"""The worker process: Celery bootstep that loads the engine before the consumer starts,
+the generate task registered under its contract name, heartbeats, cancel listener and
+control commands.
+
+Run with `tidegate worker --lane chat --gpu 0`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+import click
+import redis
+from celery import Celery, bootsteps
+from celery.signals import worker_ready, worker_shutting_down
+from celery.worker.control import inspect_command
+
+from store import Store
+from tasks.app import app, direct_queue
+from tasks.payloads import GENERATE
+from tidegate import keys
+from tidegate.settings import Settings, get_settings
+from workers.engine import Engine, EngineConfig
+from workers.host import EngineHost
+from workers.publisher import EventPublisher
+from workers.runner import WorkerContext, run_job
+
+log = logging.getLogger("tidegate.worker")
+
+_ctx: WorkerContext | None = None
+_state = {"value": "starting"}
+_outcomes_lock = threading.Lock()  # starting -> active -> draining (standby: later issue)
+
+
+def context() -> WorkerContext:
+    if _ctx is None:
+        raise RuntimeError("the engine bootstep has not run: start workers with `tidegate worker`")
+    return _ctx
+
+
+@app.task(name=GENERATE, bind=True, acks_late=True)
+def generate(self: Any, body: dict[str, Any]) -> str:
+    ctx = context()
+    outcome = run_job(ctx, body)
+    with _outcomes_lock:
+        ctx.outcomes[outcome] = ctx.outcomes.get(outcome, 0) + 1
+    return outcome
+
+
+def make_engine(settings: Settings, lane: str) -> Engine:
+    profile = settings.lanes[lane]
+    config = EngineConfig(
+        model=str(settings.model_path), dtype=profile.dtype,
+        kv_cache_dtype=profile.kv_cache_dtype, max_model_len=settings.max_model_len,
+        slots=settings.engine_slots, kv_cache_gib=settings.kv_cache_gib,
+    )
+    from workers.vllm_engine import VllmEngine
+
+    return VllmEngine(config)
+
+
+class EngineStep(bootsteps.StartStopStep):
+    """Loads and warms the engine before the consumer takes any task."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker: Any, tidegate_lane: str = "chat", **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.lane = tidegate_lane
+
+    def start(self, worker: Any) -> None:
+        global _ctx
+        settings = get_settings()
+        name = worker.hostname
+        client = redis.Redis.from_url(settings.redis_url)
+        hb = Heartbeat(settings, name, self.lane, client)
+        hb.start()
+        host = EngineHost(make_engine(settings, self.lane))
+        t0 = time.monotonic()
+        host.start(warm_prompts=["warm up"])
+        log.info("engine loaded and warmed in %.1f s", time.monotonic() - t0)
+        publisher = EventPublisher(client, settings.namespace, settings.stream_maxlen,
+                                   settings.stream_ttl_s)
+        _ctx = WorkerContext(name=name, namespace=settings.namespace, store=Store(settings.db_url),
+                             redis=client, publisher=publisher, host=host, lanes=[self.lane])
+        hb.ctx = _ctx
+        CancelListener(client, settings.namespace, host).start()
+
+    def stop(self, worker: Any) -> None:
+        if _ctx is not None:
+            _ctx.host.stop()
+
+
+class Heartbeat(threading.Thread):
+    """Advertises this worker and its engine stats; renews leases of running jobs."""
+
+    def __init__(self, settings: Settings, name: str, lane: str, client: redis.Redis) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.settings, self.name, self.lane, self.r = settings, name, lane, client
+        self.ctx: WorkerContext | None = None
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            time.sleep(self.settings.heartbeat_s)
+
+    def beat(self) -> None:
+        ns = self.settings.namespace
+        ttl = int(self.settings.heartbeat_s * 5) + 1
+        self.r.set(keys.worker_heartbeat(ns, self.name), json.dumps(self.payload()), ex=ttl)
+        if self.ctx is not None:
+            for job_id in self.ctx.host.running_ids():
+                self.r.expire(keys.job_lease(ns, job_id), keys.LEASE_TTL_S)
+
+    def payload(self) -> dict[str, Any]:
+        profile = self.settings.lanes[self.lane]
+        body: dict[str, Any] = {
+            "name": self.name, "state": _state["value"], "lanes": [self.lane],
+            "queues": [profile.queue, direct_queue(self.settings, self.name)],
+            "model": str(self.settings.model_path), "dtype": profile.dtype,
+            "kv_cache_dtype": profile.kv_cache_dtype, "slots": self.settings.engine_slots,
+            "pid": os.getpid(), "host": socket.gethostname(), "ts": time.time(),
+        }
+        if self.ctx is not None:
+            stats = self.ctx.host.engine.stats()
+            body["engine"] = self.ctx.host.engine.kind
+            body["stats"] = {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate}
+        return body
+
+
+class CancelListener(threading.Thread):
+    """Aborts engine requests whose job was cancelled (ids broadcast on one channel)."""
+
+    def __init__(self, client: redis.Redis, namespace: str, host: EngineHost) -> None:
+        super().__init__(name="cancel-listener", daemon=True)
+        self.r, self.ns, self.host = client, namespace, host
+
+    def run(self) -> None:
+        while True:  # resubscribe after a dropped connection
+            try:
+                pubsub = self.r.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(keys.cancel_channel(self.ns))
+                while True:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        job_id = message["data"].decode()
+                        log.info("cancel of job %s received", job_id)
+                        self.host.cancel(job_id)
+            except redis.RedisError as exc:
+                log.warning("cancel listener lost Redis (%s); resubscribing", exc)
+                time.sleep(1)
+
+
+@inspect_command(name="tidegate_stats")
+def tidegate_stats(state: Any) -> dict[str, Any]:
+    """Engine stats on demand: `app.control.broadcast('tidegate_stats', reply=True)`."""
+    stats = context().host.engine.stats()
+    ctx = context()
+    with _outcomes_lock:
+        outcomes = dict(ctx.outcomes)
+    return {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate, "state": _state["value"],
+            "outcomes": outcomes}
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    _state["value"] = "active"
+
+
+@worker_shutting_down.connect
+def _draining(**_: Any) -> None:
+    _state["value"] = "draining"
+
+
+def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
+               loglevel: str = "INFO") -> None:
+    settings = get_settings()
+    if lane not in settings.lanes:
+        raise SystemExit(f"tidegate worker: unknown lane {lane!r}; lanes: {sorted(settings.lanes)}")
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before the engine import sees CUDA
+    name = name or f"{lane}-{gpu or 'cpu'}-{os.getpid()}@{socket.gethostname()}"
+    celery_app.steps["worker"].add(EngineStep)
+    # Celery's own option parser learns `--tidegate-lane`; EngineStep receives it.
+    celery_app.user_options["worker"].add(
+        click.Option(("--tidegate-lane",), default="chat", help="lane this worker serves"))
+    queues = [settings.lanes[lane].queue, direct_queue(settings, name)]
+    celery_app.worker_main([
+        "worker", "-P", "threads", "-c", str(settings.engine_slots),
+        "--prefetch-multiplier", "1", "-Q", ",".join(queues), "-n", name,
+        "--loglevel", loglevel, "--without-gossip", "--without-mingle",
+        f"--tidegate-lane={lane}",
+    ])

@@ -1,0 +1,160 @@
+"""vLLM adapter over `AsyncLLM` (the CPU build runs the same code on machines without a GPU).
+
+`AsyncLLM` binds to the asyncio loop it first runs in: the engine host calls every
+method from its one loop thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from workers.engine import Delta, EngineConfig, EngineError, EngineRequest, EngineStats
+
+
+class _StatsRecorder:
+    """A vLLM stat logger: vLLM calls `record` after every engine step with its own
+    scheduler counters, which is what `stats()` reports."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stats = EngineStats(kind="vllm")
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):  # type: ignore[no-untyped-def]
+                recorder.record(scheduler_stats, iteration_stats)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Logger(vllm_config, engine_index)
+
+    def record(self, sched: Any, iteration: Any) -> None:
+        with self.lock:
+            s = self.stats
+            if sched is not None:
+                s.running, s.waiting = sched.num_running_reqs, sched.num_waiting_reqs
+                s.max_running_seen = max(s.max_running_seen, s.running)
+                s.kv_usage = sched.kv_cache_usage
+                s.prefix_queries_tokens += sched.prefix_cache_stats.queries
+                s.prefix_hits_tokens += sched.prefix_cache_stats.hits
+            if iteration is not None:
+                for done in iteration.finished_requests:
+                    reason = str(done.finish_reason)
+                    s.finished_by_reason[reason] = s.finished_by_reason.get(reason, 0) + 1
+
+    def snapshot(self) -> EngineStats:
+        with self.lock:
+            s = self.stats
+            return EngineStats(**{**s.__dict__, "finished_by_reason": dict(s.finished_by_reason)})
+
+
+class VllmEngine:
+    kind = "vllm"
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._llm: Any = None
+        self._recorder = _StatsRecorder()
+        self._capacity_tokens = 0
+        self._aborted = 0
+
+    async def start(self) -> None:
+        # The CPU build sizes its KV cache from this variable (GiB); ignored on GPUs.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        cfg = self.config
+        args = AsyncEngineArgs(
+            model=cfg.model,
+            dtype=cfg.dtype,
+            kv_cache_dtype=cfg.kv_cache_dtype,
+            max_model_len=cfg.max_model_len,
+            max_num_seqs=cfg.slots,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            disable_log_stats=False,
+            enforce_eager=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._recorder.factory])
+        vcfg = self._llm.vllm_config.cache_config
+        self._capacity_tokens = int((vcfg.num_gpu_blocks or 0) * vcfg.block_size)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"tidegate": {"session_id": request.session_id, "turn": request.turn,
+                                     "lane": request.lane}},
+        )
+        finished = False
+        try:
+            async for out in self._llm.generate(self._prompt(request), params, request.request_id):
+                delta = _delta(out)
+                finished = delta.finished
+                yield delta
+        except ValueError as exc:  # vLLM's validation errors (prompt too long, ...)
+            finished = True
+            raise EngineError(str(exc)) from exc
+        finally:
+            # Cancelling vLLM's generate() aborts the request inside the engine; the
+            # engine's iteration stats do not count client aborts, so count them here.
+            if not finished:
+                self._aborted += 1
+
+    def _prompt(self, request: EngineRequest) -> dict[str, Any]:
+        if not request.resume_token_ids:
+            return {"prompt": request.prompt}
+        ids = self._llm.get_tokenizer().encode(request.prompt)
+        return {"prompt_token_ids": list(ids) + list(request.resume_token_ids)}
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def warm(self, prompts: list[str]) -> None:
+        for i, prompt in enumerate(prompts):
+            req = EngineRequest(request_id=f"warm-{os.getpid()}-{i}", prompt=prompt, max_tokens=1)
+            async for _ in self.generate(req):
+                pass
+
+    def stats(self) -> EngineStats:
+        snap = self._recorder.snapshot()
+        snap.kv_cache_dtype = self.config.kv_cache_dtype
+        snap.kv_capacity_tokens = self._capacity_tokens
+        snap.aborted = self._aborted
+        if self._llm is not None:
+            snap.unfinished = self._llm.get_num_unfinished_requests()
+        return snap
+
+    async def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+
+def _delta(out: Any) -> Delta:
+    comp = out.outputs[0]
+    reason = comp.finish_reason if out.finished else None
+    return Delta(
+        text=comp.text,
+        token_ids=tuple(comp.token_ids),
+        finished=bool(out.finished),
+        finish_reason=reason,
+        prompt_tokens=len(out.prompt_token_ids or ()),
+    )
