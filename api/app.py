@@ -244,7 +244,7 @@ async def _sse(deps: Deps, job_id: str, after: int) -> AsyncIterator[bytes]:
     key = keys.job_events(deps.settings.namespace, job_id)
     last_id = keys.stream_id(after) if after >= 0 else "0-0"
     while True:
-        reply = await deps.redis.xread({key: last_id}, block=SSE_BLOCK_MS, count=256)
+        reply: Any = await deps.redis.xread({key: last_id}, block=SSE_BLOCK_MS, count=256)
         if not reply:
             yield b": keep-alive\n\n"
             continue

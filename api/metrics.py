@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -26,8 +27,9 @@ class ApiMetrics:
         r = self.registry
         self.queue_wait = Histogram("tidegate_queue_wait_ms", "Time from enqueue to a worker "
                                     "starting the job", ["lane"], buckets=_MS_BUCKETS, registry=r)
-        self.ttft = Histogram("tidegate_ttft_ms", "Time from a worker starting the job to its first token",
-                              ["lane"], buckets=_MS_BUCKETS, registry=r)
+        self.ttft = Histogram("tidegate_ttft_ms",
+                              "Time from a worker starting the job to its first token", ["lane"],
+                              buckets=_MS_BUCKETS, registry=r)
         self.tpot = Histogram("tidegate_tpot_ms", "Time per output token after the first",
                               ["lane"], buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
                               registry=r)
@@ -54,7 +56,7 @@ class ApiMetrics:
         stream, last = keys.finished_stream(namespace), "$"
         while True:
             try:
-                reply = await client.xread({stream: last}, block=5000, count=500)
+                reply: Any = await client.xread({stream: last}, block=5000, count=500)
             except aioredis.RedisError as exc:
                 log.warning("metrics follower lost Redis: %s", exc)
                 await asyncio.sleep(1)

@@ -233,6 +233,13 @@ class Store:
                 return None
             return job_record(job)
 
+    def jobs_of_tenant(self, tenant_id: int, limit: int = 1000) -> list[JobRecord]:
+        """A tenant's most recent jobs, oldest first."""
+        stmt = (select(Job).where(Job.tenant_id == tenant_id)
+                .order_by(Job.enqueued_at.desc()).limit(limit))
+        with self._read() as session:
+            return [job_record(job) for job in reversed(session.scalars(stmt).all())]
+
     def delete_job(self, job_id: str) -> bool:
         """Remove a job row (its enqueue failed after the row was written)."""
         with self._write() as session:

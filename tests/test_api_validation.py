@@ -18,12 +18,13 @@ from tests.stack import queue_length
 from tidegate.settings import Settings
 
 LANES = ("finance", "chat")
+ApiUnderTest = tuple[TestClient, Store, redis.Redis, str]
 OK = {"lane": "chat", "messages": [{"role": "user", "content": "Is my refund on its way?"}],
       "max_tokens": 8}
 
 
 @pytest.fixture(scope="module")
-def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[tuple[TestClient, Store, redis.Redis, str]]:
+def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[ApiUnderTest]:
     url = f"sqlite:///{tmp_root / 'validation.db'}"
     upgrade(url)
     redis_url = redis_server.rsplit("/", 1)[0] + "/1"

@@ -149,7 +149,8 @@ def test_metrics_expose_latency_histograms_by_lane(stack: Stack) -> None:
         wait_until(observed, 10, "the API to observe the finished job")
         text = http.get("/metrics").text
     for name in ("queue_wait_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
-        line = next(x for x in text.splitlines() if x.startswith(f'tidegate_{name}_count{{lane="chat"}}'))
+        prefix = f'tidegate_{name}_count{{lane="chat"}}'
+        line = next(x for x in text.splitlines() if x.startswith(prefix))
         assert float(line.split()[-1]) >= 1
 
 

@@ -84,7 +84,8 @@ def _status(_: argparse.Namespace) -> None:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tidegate", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    model = sub.add_parser("model", help="checkpoints").add_subparsers(dest="model_cmd", required=True)
+    model = sub.add_parser("model", help="checkpoints").add_subparsers(
+        dest="model_cmd", required=True)
     build = model.add_parser("build-test", help="build the small local test checkpoint")
     build.add_argument("--force", action="store_true", help="rebuild even when cached")
     build.set_defaults(func=_model_build_test)

@@ -4,6 +4,7 @@ benchmarks. Every process gets its own session so stopping it takes its children
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -40,19 +41,15 @@ class Proc:
     def stop(self, timeout_s: float = 15.0) -> None:
         if self.alive():
             self._signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                pass
         self._signal(signal.SIGKILL)  # the group: children left by a clean exit too
         self.popen.wait()
         self._log.close()
 
     def _signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def tail(self, lines: int = 40) -> str:
         try:

@@ -68,7 +68,8 @@ class EngineHost:
                 raise item
             yield item
 
-    async def _pump(self, request: EngineRequest, out: queue.Queue[Any], timeout_s: float | None) -> None:
+    async def _pump(self, request: EngineRequest, out: queue.Queue[Any],
+                    timeout_s: float | None) -> None:
         rid = request.request_id
         task = asyncio.current_task()
         assert task is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -53,7 +54,7 @@ class EventPublisher:
                     maxlen=keys.FINISHED_MAXLEN, approximate=True)
 
     def state(self, job_id: str) -> StreamState:
-        entries = self.r.xrange(keys.job_events(self.ns, job_id))
+        entries: Any = self.r.xrange(keys.job_events(self.ns, job_id))
         events = [Event.from_json(fields[b"e"]) for _, fields in entries]
         tokens = [e for e in events if e.kind == "token"]
         return StreamState(

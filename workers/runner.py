@@ -68,7 +68,7 @@ def run_job(ctx: WorkerContext, body: dict[str, Any]) -> str:
 def _take_lease(ctx: WorkerContext, lease: str) -> bool:
     if ctx.redis.set(lease, ctx.name, nx=True, ex=keys.LEASE_TTL_S):
         return True
-    holder = ctx.redis.get(lease)
+    holder: Any = ctx.redis.get(lease)
     return holder is not None and holder.decode() == ctx.name
 
 

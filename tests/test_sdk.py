@@ -1,0 +1,125 @@
+"""The SDK against the real stack: submit, stream, and resume after the connection drops
+in the middle of a stream, without losing or repeating a token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from api.client import AsyncClient, Client, TidegateError
+from tests.stack import Stack
+from tidegate.events import Event
+
+PROMPT = "The invoice total is"
+
+
+class DroppingProxy:
+    """A TCP proxy that cuts each of the first `drops` connections after passing
+    `cut_bytes` of the server's answer: a consumer's connection dropping mid-stream."""
+
+    def __init__(self, upstream_port: int, cut_bytes: int, drops: int) -> None:
+        self.upstream_port, self.cut_bytes, self.drops = upstream_port, cut_bytes, drops
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            cut = self.cut_bytes if self.connections <= self.drops else None
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, cut), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, cut: int | None) -> None:
+        passed = 0
+        try:
+            while chunk := src.recv(4096):
+                if cut is not None and passed + len(chunk) >= cut:
+                    dst.sendall(chunk[: cut - passed])
+                    break
+                dst.sendall(chunk)
+                passed += len(chunk)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.fixture
+def finished_job(stack: Stack) -> Iterator[tuple[str, list[Event]]]:
+    with Client(stack.base_url, stack.api_key) as client:
+        job_id = client.submit("chat", prompt=PROMPT, max_tokens=40)["job_id"]
+        yield job_id, list(client.stream(job_id))
+
+
+def _port(stack: Stack) -> int:
+    return int(stack.base_url.rsplit(":", 1)[1])
+
+
+def test_sync_stream_resumes_after_dropped_connections(stack: Stack, finished_job) -> None:  # type: ignore[no-untyped-def]
+    job_id, expected = finished_job
+    proxy = DroppingProxy(_port(stack), cut_bytes=900, drops=3)
+    try:
+        with Client(f"http://127.0.0.1:{proxy.port}", stack.api_key) as client:
+            got = list(client.stream(job_id))
+    finally:
+        proxy.close()
+    assert proxy.connections >= 4  # three cut connections, then one that finished
+    assert got == expected
+
+
+def test_async_stream_resumes_after_dropped_connections(stack: Stack, finished_job) -> None:  # type: ignore[no-untyped-def]
+    job_id, expected = finished_job
+    proxy = DroppingProxy(_port(stack), cut_bytes=700, drops=2)
+
+    async def consume() -> list[Event]:
+        client = AsyncClient(f"http://127.0.0.1:{proxy.port}", stack.api_key)
+        try:
+            return [event async for event in client.stream(job_id)]
+        finally:
+            await client.aclose()
+
+    try:
+        got = asyncio.run(consume())
+    finally:
+        proxy.close()
+    assert proxy.connections >= 3
+    assert got == expected
+
+
+def test_async_submit_and_stream_live(stack: Stack) -> None:
+    async def run() -> tuple[dict, list[Event]]:
+        client = AsyncClient(stack.base_url, stack.api_key)
+        try:
+            job = await client.submit("finance", prompt=PROMPT, max_tokens=16, seed=3)
+            return job, [event async for event in client.stream(job["job_id"])]
+        finally:
+            await client.aclose()
+
+    job, events = asyncio.run(run())
+    assert job["lane"] == "finance" and job["events_url"].endswith("/events")
+    assert [e.kind for e in events][0] == "started" and events[-1].kind == "done"
+    assert sum(len(e.token_ids) for e in events) == 16
+
+
+def test_sdk_raises_with_the_field_at_fault(stack: Stack) -> None:
+    with Client(stack.base_url, stack.api_key) as client, pytest.raises(TidegateError) as err:
+        client.submit("chat", prompt=PROMPT, max_tokens=0)
+    assert err.value.status == 422 and err.value.field == "max_tokens"

@@ -1,0 +1,157 @@
+"""`make demo`: the main job on the embedded defaults, start to finish.
+
+Starts a private Redis when none answers, migrates the database, starts the API and one
+worker per lane, submits a finance job and a chat job (tokens shown live as they stream),
+then a burst of 32 chat jobs, prints queue wait / TTFT / TPOT per lane, and stops
+everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from api.client import AsyncClient, Client
+from store import Store, upgrade
+from tidegate.procs import Proc, ensure_redis, free_port, start_api, start_worker, wait_until
+from tidegate.settings import Settings, get_settings
+
+FINANCE = [{"role": "system", "content": "You summarise accounts for the finance team."},
+           {"role": "user", "content": "Summarise this quarter's revenue and invoice totals."}]
+CHAT = [{"role": "system", "content": "You are a helpful shopping assistant."},
+        {"role": "user", "content": "Where is my order? It has not arrived yet."}]
+ENGINE_START_S = 300
+
+
+def say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def prepare(settings: Settings) -> Path:
+    if not settings.model:
+        from tidegate.testmodel import build_test_model
+
+        say("building the test checkpoint (cached after the first run)")
+        build_test_model(settings.model_path)
+    if settings.db_url.startswith("sqlite:///"):
+        Path(settings.db_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.db_url)
+    return settings.data_dir / "demo-logs"
+
+
+def start_stack(settings: Settings, logs: Path, procs: list[Proc]) -> str:
+    env = dict(os.environ)
+    names = []
+    for lane in settings.lanes:
+        name = f"{lane}-demo-{os.getpid()}@localhost"
+        names.append(name)
+        procs.append(start_worker(env, lane, name, logs))
+    port = settings.api_port if _port_free(settings.api_port) else free_port()
+    procs.append(start_api(env, port, logs))
+    base = f"http://127.0.0.1:{port}"
+    say(f"starting the API on {base} and {len(names)} workers (logs in {logs})")
+    started = time.monotonic()
+
+    def ready() -> bool:
+        try:
+            body = httpx.get(f"{base}/readyz", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        active = set(body.get("checks", {}).get("workers", {}).get("active", []))
+        if int(time.monotonic() - started) % 10 == 0:
+            say(f"  waiting for engines to load... {time.monotonic() - started:.0f} s")
+        return set(names) <= active
+
+    wait_until(ready, ENGINE_START_S, "the API and workers", procs, poll_s=1.0)
+    say(f"ready after {time.monotonic() - started:.0f} s")
+    return base
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def stream_one(client: Client, lane: str, messages: list[dict[str, str]]) -> None:
+    job = client.submit(lane, messages=messages, max_tokens=48, temperature=0.8, seed=11)
+    say(f"{lane} job {job['job_id']} queued on {job['queue']}; streaming:")
+    sys.stdout.write(f"  {lane}> ")
+    for event in client.stream(job["job_id"]):
+        if event.kind == "token":
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        elif event.kind == "done":
+            d = event.data
+            print(f"\n  [{d['finish_reason']}: {d['usage']['completion_tokens']} tokens, "
+                  f"queue wait {d['queue_wait_ms']:.0f} ms, TTFT {d['ttft_ms']:.0f} ms, "
+                  f"TPOT {d['tpot_ms']:.1f} ms]")
+        elif event.kind == "error":
+            raise RuntimeError(f"job failed: {event.data}")
+
+
+async def burst(base: str, key: str, n: int = 32) -> None:
+    client = AsyncClient(base, key)
+    done = 0
+
+    async def one(i: int) -> None:
+        nonlocal done
+        job = await client.submit("chat", messages=CHAT, max_tokens=32, temperature=0.8, seed=i)
+        async for event in client.stream(job["job_id"]):
+            if event.kind == "error":
+                raise RuntimeError(f"job failed: {event.data}")
+        done += 1
+        sys.stdout.write(f"\r[demo] burst: {done}/{n} jobs done")
+        sys.stdout.flush()
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    await client.aclose()
+    print(f"\n[demo] burst of {n} chat jobs finished in {time.monotonic() - t0:.2f} s")
+
+
+def report(store: Store, tenant_id: int) -> None:
+    jobs = [j for j in store.jobs_of_tenant(tenant_id) if j.status == "done"]
+    print("\n| lane | jobs | queue wait p50 (ms) | TTFT p50 (ms) | TTFT max (ms) | TPOT p50 (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for lane in sorted({j.lane for j in jobs}):
+        rows = [j for j in jobs if j.lane == lane]
+        qw = [j.queue_wait_ms or 0.0 for j in rows]
+        ttft = [j.ttft_ms or 0.0 for j in rows]
+        tpot = [j.tpot_ms or 0.0 for j in rows]
+        print(f"| {lane} | {len(rows)} | {statistics.median(qw):.1f} | "
+              f"{statistics.median(ttft):.1f} | {max(ttft):.1f} | {statistics.median(tpot):.2f} |")
+
+
+def main() -> None:
+    settings = get_settings()
+    logs = prepare(settings)
+    procs: list[Proc] = []
+    redis_proc = ensure_redis(settings.redis_url, logs)
+    if redis_proc:
+        say(f"no Redis answered at {settings.redis_url}: started a private one")
+        procs.append(redis_proc)
+    try:
+        base = start_stack(settings, logs, procs)
+        store = Store(settings.db_url)
+        tenant, key = store.create_tenant(f"demo-{int(time.time())}", list(settings.lanes))
+        with Client(base, key) as client:
+            stream_one(client, "finance", FINANCE)
+            stream_one(client, "chat", CHAT)
+        asyncio.run(burst(base, key))
+        report(store, tenant.id)
+    finally:
+        say("stopping everything the demo started")
+        for proc in reversed(procs):
+            proc.stop()
+
+
+if __name__ == "__main__":
+    main()
