@@ -23,6 +23,7 @@ from api.errors import ApiError, bad_request, handle_api_error, not_found, unava
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest, parse_job_request
+from scheduler.router import route
 from store import SessionOwnerError, Store
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
@@ -143,9 +144,10 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
     prompt_tokens = deps.prompts.count(prompt)
     _check_prompt(deps, req, prompt_tokens)
     priority = lane.default_priority if req.priority is None else req.priority
+    queue = route(lane).queue
     deadline_s = req.deadline_s or lane.deadline_s
     job, created = deps.store.create_job(
-        str(uuid.uuid4()), tenant.id, req.lane, lane.queue, priority, req.session_id,
+        str(uuid.uuid4()), tenant.id, req.lane, queue, priority, req.session_id,
         asdict(_sampling(req)), prompt_tokens, idempotency_key=req.idempotency_key or header_key)
     if created:
         turn = _session_turn(deps, job.id, tenant.id, req.session_id)
@@ -153,7 +155,7 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
                                   prompt_tokens=prompt_tokens, sampling=_sampling(req),
                                   session_id=req.session_id, turn=turn,
                                   deadline_at=time.time() + deadline_s)
-        _publish(deps, job.id, payload, lane.queue, priority)
+        _publish(deps, job.id, payload, queue, priority)
         deps.metrics.jobs.labels(req.lane).inc()
     return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
                        priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
