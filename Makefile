@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # The machine's pip configuration lists local indexes that do not hold every package;
 # pip prints one warning per package for them, which buries real errors.
-QUIET_PIP := grep -v "is ignored: it is neither a file nor a directory" || true
+# sed (not grep) so the pipeline's status stays pip's own under pipefail.
+QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
 .PHONY: venv model demo test lint bench clean
 

@@ -12,23 +12,27 @@ from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
+import redis as syncredis
 import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from api import limits
 from api.auth import Tenant, authenticate
 from api.errors import ApiError, bad_request, handle_api_error, not_found, unavailable
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest, parse_job_request
-from scheduler.router import route
+from scheduler.router import NoRoute, Route, WorkerView, route
 from store import SessionOwnerError, Store
-from tasks.app import make_app, send_generate
+from tasks.app import direct_queue, make_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import keys
 from tidegate.events import Event
+from tidegate.fleet import read_fleet
+from tidegate.lanes import Lane, pool_queue, redis_priority
 from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.api")
@@ -43,8 +47,9 @@ class Deps:
         self.settings = settings
         self.store = Store(settings.db_url)
         # Reads block up to SSE_BLOCK_MS: the socket timeout must be longer.
-        self.redis = aioredis.Redis.from_url(settings.redis_url,
+        self.redis: Any = aioredis.Redis.from_url(settings.redis_url,
                                              socket_timeout=SSE_BLOCK_MS / 1000 + 10)
+        self.sync_redis = syncredis.Redis.from_url(settings.redis_url)  # handler threads
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)
         self.metrics = ApiMetrics()
@@ -143,23 +148,39 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
     prompt = deps.prompts.render(req)
     prompt_tokens = deps.prompts.count(prompt)
     _check_prompt(deps, req, prompt_tokens)
+    decision = _route(deps, lane, req, tenant.id)
+    limits.charge(deps.sync_redis, deps.settings.namespace, tenant, prompt_tokens + req.max_tokens)
     priority = lane.default_priority if req.priority is None else req.priority
-    queue = route(lane).queue
-    deadline_s = req.deadline_s or lane.deadline_s
     job, created = deps.store.create_job(
-        str(uuid.uuid4()), tenant.id, req.lane, queue, priority, req.session_id,
-        asdict(_sampling(req)), prompt_tokens, idempotency_key=req.idempotency_key or header_key)
+        str(uuid.uuid4()), tenant.id, req.lane, decision.queue, priority, req.session_id,
+        asdict(_sampling(req)), prompt_tokens, idempotency_key=req.idempotency_key or header_key,
+        lora=req.lora, route_reason=decision.reason)
     if created:
         turn = _session_turn(deps, job.id, tenant.id, req.session_id)
         payload = GeneratePayload(job_id=job.id, lane=req.lane, prompt=prompt,
                                   prompt_tokens=prompt_tokens, sampling=_sampling(req),
                                   session_id=req.session_id, turn=turn,
-                                  deadline_at=time.time() + deadline_s)
-        _publish(deps, job.id, payload, queue, priority)
+                                  deadline_at=time.time() + (req.deadline_s or lane.deadline_s),
+                                  lora=req.lora)
+        _publish(deps, job.id, payload, decision.queue, redis_priority(priority))
         deps.metrics.jobs.labels(req.lane).inc()
     return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
                        priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
                        created=created)
+
+
+def _route(deps: Deps, lane: Lane, req: JobRequest, tenant_id: int) -> Route:
+    fleet = [WorkerView.from_heartbeat(hb)
+             for hb in read_fleet(deps.sync_redis, deps.settings.namespace)]
+    backlog = queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
+    session = deps.store.get_session(req.session_id, tenant_id) if req.session_id else None
+    try:
+        return route(lane, fleet, backlog, lambda name: direct_queue(deps.settings, name),
+                     lora=req.lora, session_worker=session.last_worker if session else None)
+    except NoRoute as exc:
+        if exc.field is not None:
+            raise bad_request(exc.field, str(exc)) from None
+        raise unavailable(str(exc)) from None
 
 
 def _session_turn(deps: Deps, job_id: str, tenant_id: int, session_id: str | None) -> int:
@@ -215,9 +236,7 @@ def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
         raise not_found("job")
     if job.status != "cancelled":
         return job  # already finished: nothing to cancel
-    import redis as syncredis
-
-    client = syncredis.Redis.from_url(deps.settings.redis_url)
+    client = deps.sync_redis
     ns = deps.settings.namespace
     client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
     client.publish(keys.cancel_channel(ns), job_id)
@@ -225,7 +244,6 @@ def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
         done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
         client.xadd(keys.job_events(ns, job_id), {"e": done.to_json()}, id=keys.stream_id(0))
         client.expire(keys.job_events(ns, job_id), deps.settings.stream_ttl_s)
-    client.close()
     return job
 
 

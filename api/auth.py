@@ -16,6 +16,8 @@ class Tenant:
     id: int
     name: str
     lanes: frozenset[str]
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 async def authenticate(store: Store, request: Request) -> Tenant:
@@ -26,4 +28,6 @@ async def authenticate(store: Store, request: Request) -> Tenant:
     record = await asyncio.to_thread(store.tenant_by_key, key.strip())
     if record is None:
         raise unauthorized("authorization: unknown or revoked API key")
-    return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes))
+    return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
+                  requests_per_minute=record.requests_per_minute,
+                  tokens_per_minute=record.tokens_per_minute)

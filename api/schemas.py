@@ -23,7 +23,7 @@ class JobRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lane: str = Field(min_length=1, max_length=64)
-    priority: int | None = Field(None, ge=0, le=9)  # 0 is served first; default: the lane's
+    priority: int | None = Field(None, ge=0, le=9)  # 9 is the most urgent; default: the lane's
     session_id: str | None = Field(None, min_length=1, max_length=128)
     messages: list[Message] | None = None
     prompt: str | None = None  # raw prompt, no chat template
@@ -33,6 +33,7 @@ class JobRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     deadline_s: float | None = Field(None, gt=0)  # default and cap: the lane's deadline
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
+    lora: str | None = Field(None, min_length=1, max_length=128)  # a LoRA adapter's name
 
     @field_validator("temperature", "top_p", "deadline_s")
     @classmethod

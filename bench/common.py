@@ -80,10 +80,14 @@ def plot_distributions(path: Path, series: Mapping[str, Sequence[float]], title:
     import matplotlib.pyplot as plt
 
     fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4.2))
+    pooled = [v for values in series.values() for v in values]
+    # One set of bin edges for every system, so bar heights compare directly.
+    low, high = (min(pooled), max(pooled)) if pooled else (0.0, 1.0)
+    edges = [low + (high - low) * i / 40 for i in range(41)] if high > low else 40
     for name, values in series.items():
         if not values:
             continue
-        hist.hist(values, bins=30, alpha=0.55, label=name)
+        hist.hist(values, bins=edges, alpha=0.55, label=name)
         ordered = sorted(values)
         ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
         cdf.step(ordered, ys, where="post", label=name)

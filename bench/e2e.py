@@ -66,7 +66,7 @@ CONCURRENCY = 64  # = tidegate's engine slots and the peer's --max-num-seqs
 MAX_TOKENS = 32  # the test checkpoint never emits EOS: every request yields exactly this
 ROUNDS = 3
 WARMUP = 8
-TEMPERATURE = 0.8
+TEMPERATURE = 0.8  # no per-request seed: see NOTES (vLLM CPU crash with seeds)
 MAX_MODEL_LEN = 2048
 KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE for both engines
 START_TIMEOUT_S = 240.0
@@ -81,7 +81,6 @@ TOPICS = ["quarter-end ledger", "refund backlog", "invoice disputes", "cash posi
 @dataclass(frozen=True)
 class RequestSpec:
     prompt: str
-    seed: int
 
 
 @dataclass
@@ -92,6 +91,7 @@ class Sample:
     tpot_ms: float = math.nan
     tokens: int = 0
     error: str | None = None
+    submit_ms: float = math.nan  # tidegate only: POST /v1/jobs until its 202
     server: dict[str, float] = field(default_factory=dict)  # what the server reported
 
 
@@ -154,7 +154,7 @@ async def guarded(fn: RequestFn, spec: RequestSpec) -> Sample:
 
 
 async def run_round(fn: RequestFn, round_no: int, n: int) -> Round:
-    specs = [RequestSpec(prompt(round_no, i), seed=i) for i in range(n)]
+    specs = [RequestSpec(prompt(round_no, i)) for i in range(n)]
     start = time.perf_counter()
     samples = await asyncio.gather(*(guarded(fn, s) for s in specs))
     return Round(list(samples), time.perf_counter() - start)
@@ -180,7 +180,8 @@ async def run_load(name: str, fn: RequestFn) -> list[Round]:
 async def tidegate_request(client: AsyncClient, spec: RequestSpec) -> Sample:
     clock = Arrivals()
     job = await client.submit(LANE, prompt=spec.prompt, max_tokens=MAX_TOKENS,
-                              temperature=TEMPERATURE, seed=spec.seed)
+                              temperature=TEMPERATURE)
+    submit_ms = (time.perf_counter() - clock.start) * 1000
     expected_seq, done = 0, None
     async for event in client.stream(job["job_id"]):
         if event.seq != expected_seq:  # the API promises contiguous seqs, exactly once
@@ -192,7 +193,9 @@ async def tidegate_request(client: AsyncClient, spec: RequestSpec) -> Sample:
             raise RuntimeError(f"error event: {event.data}")
         elif event.kind == "done":
             done = event.data
-    return _check_done(clock.sample(), done)
+    sample = _check_done(clock.sample(), done)
+    sample.submit_ms = submit_ms
+    return sample
 
 
 def _check_done(sample: Sample, done: dict[str, Any] | None) -> Sample:
@@ -270,12 +273,13 @@ def measure_tidegate(tmp: Path) -> tuple[list[Round], dict[str, str]]:
     start = time.monotonic()
     with tidegate_stack(tmp) as (base, key, procs):
         log(f"tidegate: ready in {time.monotonic() - start:.0f} s")
+        load = load_average()
         rounds = asyncio.run(load_tidegate(base, key))
         alive = {p.name: p.alive() for p in procs}
         worker_log = next(p.log_path for p in procs if p.name.startswith("worker:"))
     if not all(alive.values()):
         log(f"tidegate: processes that died during the load: {alive}")
-    return rounds, {"prefix_caching": prefix_caching(worker_log), "log": str(worker_log)}
+    return rounds, {"prefix_caching": prefix_caching(worker_log), "load_before": load}
 
 
 # ---------------------------------------------------------------- vLLM's OpenAI server
@@ -290,7 +294,7 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
 
 async def peer_request(http: httpx.AsyncClient, spec: RequestSpec) -> Sample:
     body = {"model": str(MODEL), "prompt": spec.prompt, "max_tokens": MAX_TOKENS,
-            "temperature": TEMPERATURE, "seed": spec.seed, "stream": True, "ignore_eos": True,
+            "temperature": TEMPERATURE, "stream": True, "ignore_eos": True,
             "return_token_ids": True, "stream_options": {"include_usage": True}}
     clock, usage = Arrivals(), None
     async with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -345,8 +349,14 @@ def measure_peer(tmp: Path) -> tuple[list[Round], dict[str, str]]:
     start = time.monotonic()
     with peer_server(tmp) as (base, proc):
         log(f"vLLM server: ready in {time.monotonic() - start:.0f} s")
+        load = load_average()
         rounds = asyncio.run(load_peer(base))
-    return rounds, {"prefix_caching": prefix_caching(proc.log_path), "log": str(proc.log_path)}
+    return rounds, {"prefix_caching": prefix_caching(proc.log_path), "load_before": load}
+
+
+def load_average() -> str:
+    """Other work on the machine skews both systems: recorded so a noisy run shows."""
+    return f"{os.getloadavg()[0]:.2f}"
 
 
 def prefix_caching(log_path: Path) -> str:
@@ -377,15 +387,16 @@ def summarize(rounds: list[Round]) -> dict[str, Any]:
     }
 
 
-def server_side(rounds: list[Round]) -> dict[str, float]:
-    """tidegate's own per-job timings from its done events, to set beside the client's."""
-    samples = [s for r in rounds for s in r.samples if s.server]
-    out = {}
+def tidegate_phases(rounds: list[Round]) -> dict[str, float]:
+    """Where a tidegate request's time goes: the client's submit (POST until 202) and the
+    worker's own TTFT and queue wait from the done events, to set beside the client TTFT."""
+    samples = [s for r in rounds for s in r.samples if s.error is None]
+    series = {"submit": [s.submit_ms for s in samples]}
     for key in ("ttft_ms", "queue_wait_ms"):
-        values = [s.server[key] for s in samples if key in s.server]
-        out[f"server_{key.removesuffix('_ms')}_p50_ms"] = percentile(values, 50)
-        out[f"server_{key.removesuffix('_ms')}_p99_ms"] = percentile(values, 99)
-    return out
+        series[f"server_{key.removesuffix('_ms')}"] = [s.server[key] for s in samples
+                                                       if key in s.server]
+    return {f"{name}_p{q}_ms": percentile(values, q)
+            for name, values in series.items() for q in (50, 99)}
 
 
 METRICS = [("tokens/s", "tokens_per_s", 0), ("TTFT p50 (ms)", "ttft_p50_ms", 1),
@@ -412,12 +423,19 @@ def setup(tide_info: dict[str, str], peer_info: dict[str, str], wall_s: float) -
             "temperature": TEMPERATURE, "warm-up requests": WARMUP, "rounds": ROUNDS,
             "machine cores": m["cores"], "cpu": m["cpu"], "date": m["date"],
             "vllm": vllm.__version__, "VLLM_CPU_KVCACHE_SPACE (GiB)": KV_CACHE_GIB,
+            "tidegate store / broker": "private SQLite file (WAL) / private redis-server",
+            "tidegate worker": f"1 Celery worker, lane `{LANE}`, {CONCURRENCY} engine slots",
             "prefix caching (tidegate / vLLM server)":
                 f"{tide_info['prefix_caching']} / {peer_info['prefix_caching']}",
+            "1-min load average before the load (tidegate / vLLM server)":
+                f"{tide_info['load_before']} / {peer_info['load_before']}",
             "wall time of the whole benchmark (s)": round(wall_s, 1)}
 
 
 NOTES = [
+    "Requests carry no seed: on this vLLM CPU build a seeded request whose prefill gets "
+    "chunked kills the engine core ('CPU Generator does not use offset'), which 64 prompts "
+    "arriving at once trigger on vLLM's server.",
     "Client-side timing: TTFT = first token received - submit start (tidegate: POST /v1/jobs "
     "then SSE; vLLM: streamed POST /v1/completions); TPOT = (last token - first token) / "
     "(tokens - 1); tokens/s = tokens received / wall time of the round, median of the rounds.",
@@ -425,6 +443,15 @@ NOTES = [
     "The two systems ran one after the other on the same machine; the load client shared the "
     "same cores with each.",
 ]
+
+
+def phases_note(tide: dict[str, Any]) -> str:
+    return ("tidegate, inside the client TTFT: submit (POST /v1/jobs until 202) p50 "
+            f"{fmt(tide['submit_p50_ms'])} ms, p99 {fmt(tide['submit_p99_ms'])} ms; the "
+            f"worker's own TTFT (done event) p50 {fmt(tide['server_ttft_p50_ms'])} ms, p99 "
+            f"{fmt(tide['server_ttft_p99_ms'])} ms; queue wait p50 "
+            f"{fmt(tide['server_queue_wait_p50_ms'])} ms, p99 "
+            f"{fmt(tide['server_queue_wait_p99_ms'])} ms.")
 
 
 def figures(tide: dict[str, Any], peer: dict[str, Any], setup_: dict[str, Any],
@@ -439,10 +466,10 @@ def figures(tide: dict[str, Any], peer: dict[str, Any], setup_: dict[str, Any],
 
 def report(tide_rounds: list[Round], peer_rounds: list[Round], tide_info: dict[str, str],
            peer_info: dict[str, str], wall_s: float) -> dict[str, Any]:
-    tide = {**summarize(tide_rounds), **server_side(tide_rounds)}
+    tide = {**summarize(tide_rounds), **tidegate_phases(tide_rounds)}
     peer = summarize(peer_rounds)
     setup_ = setup(tide_info, peer_info, wall_s)
-    notes = list(NOTES)
+    notes = [*NOTES, phases_note(tide)]
     if tide_info["prefix_caching"] != peer_info["prefix_caching"]:
         notes.append("WARNING: prefix caching differs between the two systems.")
     write_report(RESULTS / "e2e.md", "End to end: tidegate vs vLLM's OpenAI server",
@@ -461,12 +488,13 @@ def report(tide_rounds: list[Round], peer_rounds: list[Round], tide_info: dict[s
 # ---------------------------------------------------------------- main
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
+def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks that stop processes
 
 
 def main() -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # Ctrl-C already raises KeyboardInterrupt
+        signal.signal(sig, _exit_on_signal)
     started = time.monotonic()
     from tidegate.testmodel import build_test_model
 

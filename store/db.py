@@ -132,13 +132,15 @@ class Store:
 
     # -- tenants ---------------------------------------------------------------------
 
-    def create_tenant(self, name: str, lanes: list[str]) -> tuple[TenantRecord, str]:
+    def create_tenant(self, name: str, lanes: list[str], requests_per_minute: int | None = None,
+                      tokens_per_minute: int | None = None) -> tuple[TenantRecord, str]:
         """Create a tenant; returns its record and its API key (only the hash is stored)."""
         if not name:
             raise ValueError("tenant name is empty")
         api_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
         tenant = Tenant(
-            name=name, key_hash=hash_key(api_key), lanes=list(lanes), created_at=utcnow()
+            name=name, key_hash=hash_key(api_key), lanes=list(lanes), created_at=utcnow(),
+            requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
         )
         try:
             with self._write() as session:
@@ -186,6 +188,8 @@ class Store:
         sampling: dict[str, Any],
         prompt_tokens: int,
         idempotency_key: str | None = None,
+        lora: str | None = None,
+        route_reason: str | None = None,
     ) -> tuple[JobRecord, bool]:
         """Write a queued job; with an idempotency key already used by this tenant, return
         that job instead and created=False."""
@@ -206,6 +210,8 @@ class Store:
             prompt_tokens=prompt_tokens,
             enqueued_at=utcnow(),
             attempts=0,
+            lora=lora,
+            route_reason=route_reason,
         )
         try:
             with self._write() as session:
@@ -396,6 +402,13 @@ class Store:
         if turns is None:
             raise SessionOwnerError(session_id)
         return int(turns)
+
+    def set_session_worker(self, session_id: str, worker: str) -> None:
+        """The worker that now holds the session's prefix (session affinity)."""
+        stmt = (update(ChatSession).where(ChatSession.id == session_id)
+                .values(last_worker=worker))
+        with self._write() as session:
+            session.execute(stmt)
 
     def get_session(self, session_id: str, tenant_id: int | None = None) -> SessionRecord | None:
         with self._read() as session:

@@ -86,6 +86,9 @@ class Tenant(Base):
     lanes: Mapped[list[str]] = mapped_column(JSON)
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
+    # Per-minute limits; None is unlimited. Enforced by the API with Redis counters.
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
 
 
 class Job(Base):
@@ -125,6 +128,8 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
     engine: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    lora: Mapped[str | None] = mapped_column(String(128))  # LoRA adapter the job asked for
+    route_reason: Mapped[str | None] = mapped_column(Text)  # the router's decision and why
 
 
 class ChatSession(Base):

@@ -36,6 +36,8 @@ class TenantRecord:
     lanes: tuple[str, ...]
     created_at: datetime
     revoked_at: datetime | None
+    requests_per_minute: int | None = None  # None: unlimited
+    tokens_per_minute: int | None = None
 
     @property
     def active(self) -> bool:
@@ -68,6 +70,8 @@ class JobRecord:
     worker: str | None
     engine: str | None
     attempts: int
+    lora: str | None = None
+    route_reason: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -90,6 +94,8 @@ def tenant_record(tenant: Tenant) -> TenantRecord:
         lanes=tuple(tenant.lanes),
         created_at=tenant.created_at,
         revoked_at=tenant.revoked_at,
+        requests_per_minute=tenant.requests_per_minute,
+        tokens_per_minute=tenant.tokens_per_minute,
     )
 
 

@@ -6,11 +6,13 @@ built here from the settings and nowhere else.
 
 from __future__ import annotations
 
+from typing import Any
+
 from celery import Celery
 from kombu import Exchange, Queue
 
 from tasks.payloads import GENERATE, GeneratePayload
-from tidegate.lanes import Lane
+from tidegate.lanes import Lane, pool_queue
 from tidegate.settings import Settings, get_settings
 
 PRIORITY_STEPS = list(range(10))  # name all ten: the default [0,3,6,9] merges 0-2
@@ -31,6 +33,11 @@ def _queue(name: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
+def _first_lane_pool(lanes: dict[str, Lane]) -> tuple[Lane, str]:
+    lane = next(iter(lanes.values()))
+    return lane, lane.pools[-1]
+
+
 def make_app(settings: Settings) -> Celery:
     app = Celery("tidegate", broker=settings.redis_url, set_as_current=False)
     lanes = settings.lanes
@@ -42,10 +49,11 @@ def make_app(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,  # prefetch breaks priority order
-        task_default_priority=5,  # unset would mean 0, the top
+        task_default_priority=5,  # unset would mean 0, the top (Redis step, not public)
         task_queue_max_priority=9,
-        task_default_queue="chat" if "chat" in lanes else next(iter(lanes)),
-        task_queues=[_queue(lane.queue) for lane in lanes.values()],
+        task_default_queue=pool_queue(*_first_lane_pool(lanes)),
+        task_queues=[_queue(pool_queue(lane, pool)) for lane in lanes.values()
+                     for pool in lane.pools],
         broker_connection_retry_on_startup=True,
         broker_transport_options={
             "priority_steps": PRIORITY_STEPS,
@@ -58,6 +66,18 @@ def make_app(settings: Settings) -> Celery:
         task_send_sent_event=True,
     )
     return app
+
+
+def queue_lengths(client: Any, queues: list[str]) -> dict[str, int]:
+    """Messages waiting per queue, summed over its ten priority sub-lists (kombu names
+    them `queue`, `queue|1` .. `queue|9`)."""
+    pipe = client.pipeline(transaction=False)
+    for queue in queues:
+        for step in PRIORITY_STEPS:
+            pipe.llen(queue if step == 0 else f"{queue}|{step}")
+    counts = pipe.execute()
+    n = len(PRIORITY_STEPS)
+    return {q: int(sum(counts[i * n:(i + 1) * n])) for i, q in enumerate(queues)}
 
 
 def send_generate(app: Celery, payload: GeneratePayload, queue: str, priority: int) -> None:

@@ -32,6 +32,7 @@ class GeneratePayload:
     session_id: str | None = None
     turn: int = 0  # turn number of the session (1-based), 0 for one-shot requests
     deadline_at: float | None = None  # epoch seconds; past it the job ends `expired`
+    lora: str | None = None  # LoRA adapter name; the router sent the job to a worker with it
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
 
     def to_dict(self) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def stack(redis_server: str, migrated_db: str, model_path: Path, tmp_root: Path)
     procs: list[Proc] = []
     workers = {lane: f"{lane}-test@tidegate" for lane in ("finance", "chat")}
     store = Store(migrated_db)
-    tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat"])
+    tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat", "support"])
     port = free_port()
     try:
         for lane, name in workers.items():

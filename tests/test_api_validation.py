@@ -15,9 +15,10 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from store import Store, upgrade
 from tests.stack import queue_length
+from tidegate import keys
 from tidegate.settings import Settings
 
-LANES = ("finance", "chat")
+QUEUES = ("finance.vllm", "finance.trtllm", "chat.vllm", "chat.trtllm")
 ApiUnderTest = tuple[TestClient, Store, redis.Redis, str]
 OK = {"lane": "chat", "messages": [{"role": "user", "content": "Is my refund on its way?"}],
       "max_tokens": 8}
@@ -32,13 +33,24 @@ def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[ApiUnde
     store = Store(url)
     _, key = store.create_tenant("validation", ["chat"])
     client = redis.Redis.from_url(redis_url)
+    advertise_worker(client, settings)
     with TestClient(create_app(settings)) as http:
         yield http, store, client, key
     client.flushdb()
 
 
+def advertise_worker(client: redis.Redis, settings: Settings) -> None:
+    """The heartbeat an active vLLM worker of the chat lane would write. No worker runs
+    here, so that the queue lengths show exactly what the API enqueued."""
+    body = {"name": "chat-advertised@test", "state": "active", "lanes": ["chat"],
+            "pool": "vllm", "engine": "vllm", "slots": 4, "lora": ["support"],
+            "kv_cache_dtype": "fp8", "dtype": "float16", "stats": {}}
+    client.set(keys.worker_heartbeat(settings.namespace, "chat-advertised@test"),
+               json.dumps(body))
+
+
 def nothing_enqueued(store: Store, client: redis.Redis) -> bool:
-    return store.count_jobs() == 0 and all(queue_length(client, q) == 0 for q in LANES)
+    return store.count_jobs() == 0 and all(queue_length(client, q) == 0 for q in QUEUES)
 
 
 def post(http: TestClient, key: str | None, body: object = None, raw: bytes | None = None):  # type: ignore[no-untyped-def]
@@ -66,6 +78,8 @@ CASES = [
     ("prompt above the lane's limit", {**OK, "messages": [{"role": "user", "content": LONG}]},
      None, 422, "messages"),
     ("priority outside 0-9", {**OK, "priority": 10}, None, 422, "priority"),
+    ("negative priority", {**OK, "priority": -1}, None, 422, "priority"),
+    ("unknown LoRA adapter", {**OK, "lora": "nope"}, None, 422, "lora"),
     ("unknown field", {**OK, "colour": "blue"}, None, 422, "colour"),
     ("body over the size limit", None, json.dumps({**OK, "pad": "x" * 70_000}).encode(), 413,
      "body"),
@@ -120,9 +134,56 @@ def test_valid_job_is_enqueued_once_with_its_priority(api) -> None:  # type: ign
     again = post(http, key, {**OK, "priority": 3, "idempotency_key": "order-1"})
     assert again.status_code == 200 and again.json()["job_id"] == resp.json()["job_id"]
     assert store.count_jobs() == 1
-    assert queue_length(client, "chat") == 1 and client.llen("chat|3") == 1
+    # Public priority 3 of 0-9 (9 most urgent) is Redis step 6; no TensorRT-LLM worker
+    # advertises, so the job went to the vLLM pool.
+    assert queue_length(client, "chat.vllm") == 1 and client.llen("chat.vllm|6") == 1
     job = store.get_job(resp.json()["job_id"])
     assert job is not None and job.status == "queued" and job.priority == 3
-    # Clean up so the cases above (in any order) start from an empty queue.
-    client.flushdb()
-    store.delete_job(job.id)
+    assert job.route_reason is not None
+    assert "pool trtllm: no healthy active worker" in job.route_reason
+    _cleanup(store, client, job.id)
+
+
+def _cleanup(store: Store, client: redis.Redis, job_id: str) -> None:
+    """Empty the queues so the other cases (in any order) start from nothing enqueued."""
+    for queue in QUEUES:
+        for step in range(10):
+            client.delete(queue if step == 0 else f"{queue}|{step}")
+    store.delete_job(job_id)
+
+
+def test_no_active_worker_for_the_lane_is_503_with_retry_after(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, _ = api
+    _, finance_key = store.create_tenant("validation-no-worker", ["finance"])
+    resp = post(http, finance_key, {**OK, "lane": "finance"})
+    assert resp.status_code == 503 and "Retry-After" in resp.headers
+    assert "no healthy worker serves lane 'finance'" in resp.json()["error"]["message"]
+    assert nothing_enqueued(store, client)
+
+
+def test_revoked_key_is_401(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, _ = api
+    store.create_tenant("validation-revoked", ["chat"])
+    _, key = store.create_tenant("validation-revoked-2", ["chat"])
+    assert store.revoke_tenant("validation-revoked-2")
+    resp = post(http, key, OK)
+    assert resp.status_code == 401 and resp.json()["error"]["field"] == "authorization"
+    assert nothing_enqueued(store, client)
+
+
+def test_rate_limits_answer_429_with_retry_after(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, _ = api
+    _, key = store.create_tenant("validation-limited", ["chat"], requests_per_minute=2)
+    accepted = [post(http, key, {**OK, "idempotency_key": f"rl-{i}"}) for i in range(2)]
+    assert [r.status_code for r in accepted] == [202, 202]
+    refused = post(http, key, {**OK, "idempotency_key": "rl-3"})
+    assert refused.status_code == 429
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
+    assert "2 requests per minute" in refused.json()["error"]["message"]
+    assert store.count_jobs() == 2 and queue_length(client, "chat.vllm") == 2
+    for r in accepted:
+        _cleanup(store, client, r.json()["job_id"])
+    _, tok_key = store.create_tenant("validation-tokens", ["chat"], tokens_per_minute=50)
+    big = post(http, tok_key, {**OK, "max_tokens": 60})  # prompt + 60 > 50 tokens
+    assert big.status_code == 429 and "tokens per minute" in big.json()["error"]["message"]
+    assert nothing_enqueued(store, client)

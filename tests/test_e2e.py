@@ -4,6 +4,8 @@ vLLM on CPU -> token events over a Redis stream and pub/sub -> SSE consumer."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -127,7 +129,7 @@ def test_a_second_delivery_of_a_finished_job_does_not_generate_again(stack: Stac
     assert job is not None
     payload = GeneratePayload(job_id=job_id, lane="chat", prompt="redelivered", prompt_tokens=2,
                               sampling=Sampling(max_tokens=8))
-    send_generate(make_app(get_settings()), payload, "chat", 5)
+    send_generate(make_app(get_settings()), payload, "chat.vllm", 5)
 
     skipped = stats["outcomes"].get("skipped-terminal", 0)
     wait_until(lambda: engine_stats(worker)["outcomes"].get("skipped-terminal", 0) > skipped,
@@ -175,3 +177,19 @@ def test_stream_of_another_tenant_is_not_found(stack: Stack) -> None:
                 raise AssertionError("another tenant's job was visible")
             except Exception as exc:  # TidegateError
                 assert getattr(exc, "status", None) == 404
+
+
+def test_status_shows_fp8_kv_cache_holding_about_twice_the_tokens(stack: Stack) -> None:
+    def capacity(lane: str) -> int:
+        body = json.loads(stack.redis.get(keys.worker_heartbeat(stack.namespace,
+                                                                stack.workers[lane])))
+        return int(body["stats"]["kv_capacity_tokens"])
+
+    fp16, fp8 = capacity("finance"), capacity("chat")
+    assert fp16 > 0 and 1.8 <= fp8 / fp16 <= 2.2
+    out = subprocess.run([sys.executable, "-m", "tidegate.cli", "status"], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert str(fp8) in rows[stack.workers["chat"]] and " fp8 " in rows[stack.workers["chat"]]
+    assert str(fp16) in rows[stack.workers["finance"]]
+    assert " float16 " in rows[stack.workers["finance"]]

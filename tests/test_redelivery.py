@@ -19,7 +19,7 @@ PROMPT = "Your refund of"
 
 def test_a_job_whose_worker_died_resumes_after_the_published_tokens(stack: Stack) -> None:
     job_id = str(uuid.uuid4())
-    stack.store.create_job(job_id, stack.tenant_id, "chat", "chat", 5, None,
+    stack.store.create_job(job_id, stack.tenant_id, "chat", "chat.vllm", 5, None,
                            {"max_tokens": 12}, 4)
     stack.store.claim_job(job_id, "dead-worker@gone", "vllm")  # attempt 1, then it died
     publisher = EventPublisher(stack.redis, stack.namespace, 1000, 600)
@@ -32,7 +32,7 @@ def test_a_job_whose_worker_died_resumes_after_the_published_tokens(stack: Stack
 
     payload = GeneratePayload(job_id=job_id, lane="chat", prompt=PROMPT, prompt_tokens=4,
                               sampling=Sampling(max_tokens=12, temperature=0.0))
-    send_generate(make_app(get_settings()), payload, "chat", 5)  # the broker's redelivery
+    send_generate(make_app(get_settings()), payload, "chat.vllm", 5)  # a redelivery
     with Client(stack.base_url, stack.api_key) as client:
         events = list(client.stream(job_id))
 

@@ -11,11 +11,13 @@ from tidegate.settings import get_settings
 
 
 def _model_build_test(args: argparse.Namespace) -> None:
+    from tidegate.testlora import build_test_lora
     from tidegate.testmodel import build_test_model
 
-    settings = get_settings()
-    out = build_test_model(settings.data_dir / "models" / "tidegate-test", force=args.force)
+    models = get_settings().data_dir / "models"
+    out = build_test_model(models / "tidegate-test", force=args.force)
     print(out)
+    print(build_test_lora(out, models / "tidegate-test-lora", force=args.force))
 
 
 def _db_upgrade(_: argparse.Namespace) -> None:
@@ -39,13 +41,17 @@ def _tenant(args: argparse.Namespace) -> None:
         unknown = sorted(set(lanes) - set(get_settings().lanes))
         if unknown:
             sys.exit(f"tidegate tenant create: unknown lane(s) {', '.join(unknown)}")
-        tenant, key = store.create_tenant(args.name, lanes)
-        print(f"tenant {tenant.name} created; lanes: {','.join(tenant.lanes)}")
+        tenant, key = store.create_tenant(args.name, lanes, requests_per_minute=args.rpm,
+                                          tokens_per_minute=args.tpm)
+        print(f"tenant {tenant.name} created; lanes: {','.join(tenant.lanes)}; limits: "
+              f"{args.rpm or 'no'} requests/min, {args.tpm or 'no'} tokens/min")
         print(f"API key (shown once): {key}")
     elif args.tenant_cmd == "list":
+        print(f"{'tenant':20} {'lanes':20} {'state':8} {'req/min':>8} {'tok/min':>8}")
         for t in store.list_tenants():
             state = "revoked" if t.revoked_at else "active"
-            print(f"{t.name:20} {','.join(t.lanes):20} {state}")
+            print(f"{t.name:20} {','.join(t.lanes):20} {state:8} "
+                  f"{t.requests_per_minute or '-':>8} {t.tokens_per_minute or '-':>8}")
     elif args.tenant_cmd == "revoke":
         print("revoked" if store.revoke_tenant(args.name) else f"no tenant named {args.name!r}")
 
@@ -54,7 +60,8 @@ def _worker(args: argparse.Namespace) -> None:
     from tasks.app import app
     from workers.service import run_worker
 
-    run_worker(app, args.lane, args.gpu, args.name, args.loglevel)
+    run_worker(app, args.lane, args.gpu, args.name, args.loglevel, pool=args.pool,
+               engine=args.engine)
 
 
 def _api(args: argparse.Namespace) -> None:
@@ -97,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--gpu", default=None, help="GPU index, pinned with CUDA_VISIBLE_DEVICES")
     w.add_argument("--name", default=None, help="worker name (Celery node name)")
     w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm"])
+    w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
     w.set_defaults(func=_worker)
     a = sub.add_parser("api", help="run the HTTP API")
     a.add_argument("--host", default=None)
@@ -114,11 +123,21 @@ def _tenant_parser(sub: Any) -> None:
     c = t.add_parser("create", help="create a tenant and print its API key once")
     c.add_argument("name")
     c.add_argument("--lanes", required=True, help="comma-separated lanes, e.g. finance,chat")
+    c.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
+    c.add_argument("--tpm", type=_positive, default=None,
+                   help="tokens per minute (prompt plus max_tokens)")
     t.add_parser("list", help="list tenants")
     r = t.add_parser("revoke", help="revoke a tenant's key")
     r.add_argument("name")
     for name in ("create", "list", "revoke"):
         t.choices[name].set_defaults(func=_tenant)
+
+
+def _positive(raw: str) -> int:
+    value = int(raw)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {raw}")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:

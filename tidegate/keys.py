@@ -12,6 +12,7 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
 | ``{ns}:finished``              | stream  | worker          | ``FINISHED_MAXLEN`` entries       |
 | ``{ns}:worker:{name}``         | string  | worker          | heartbeat, 5 x ``heartbeat_s``    |
+| ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | 120 s (fixed one-minute windows)  |
 
 Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so SSE's
 ``Last-Event-ID`` maps straight onto ``XREAD`` and a duplicate append is refused by Redis.
@@ -53,6 +54,10 @@ def worker_heartbeat(ns: str, name: str) -> str:
 
 def worker_heartbeat_pattern(ns: str) -> str:
     return f"{ns}:worker:*"
+
+
+def rate_window(ns: str, tenant_id: int, minute: int, kind: str) -> str:
+    return f"{ns}:rate:{tenant_id}:{minute}:{kind}"
 
 
 def stream_id(seq: int) -> str:

@@ -21,11 +21,30 @@ class Lane(BaseModel):
     description: str = ""
     dtype: Literal["float16", "bfloat16", "float32", "auto"] = "float16"  # weights
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
-    default_priority: int = Field(5, ge=0, le=9)  # 0 is served first
+    quantization: Literal["fp8"] | None = None  # weights, where the engine has it
+    # Engine pools in order of preference; a worker's pool defaults to its engine kind.
+    pools: list[str] = Field(default_factory=lambda: ["trtllm", "vllm"], min_length=1)
+    default_priority: int = Field(4, ge=0, le=9)  # public scale: 9 is the most urgent
     max_prompt_tokens: int = Field(1536, gt=0)
     max_output_tokens: int = Field(256, gt=0)
     deadline_s: float = Field(60.0, gt=0)  # longest a job may take, queue wait included
     ttft_p99_objective_ms: float = Field(2000.0, gt=0)
+
+
+PRIORITY_MIN, PRIORITY_MAX = 0, 9
+
+
+def redis_priority(public: int) -> int:
+    """The public scale (0 lowest .. 9 most urgent) onto Redis' steps, where 0 is served
+    first."""
+    if not PRIORITY_MIN <= public <= PRIORITY_MAX:
+        raise ValueError(f"priority {public} is outside {PRIORITY_MIN}-{PRIORITY_MAX}")
+    return PRIORITY_MAX - public
+
+
+def pool_queue(lane: Lane, pool: str) -> str:
+    """The queue every worker of `pool` serving `lane` consumes."""
+    return f"{lane.queue}.{pool}"
 
 
 class LanesConfigError(ValueError):

@@ -124,6 +124,9 @@ def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:
     return Proc(f"api:{port}", argv, log_dir / f"api-{port}.log", env)
 
 
-def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path) -> Proc:
+def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path,
+                 pool: str | None = None) -> Proc:
     argv = tidegate_argv("worker", "--lane", lane, "--name", name)
+    if pool:
+        argv += ["--pool", pool]
     return Proc(f"worker:{name}", argv, log_dir / f"worker-{name.split('@')[0]}.log", env)

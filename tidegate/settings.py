@@ -39,6 +39,9 @@ class Settings(BaseSettings):
     max_model_len: int = Field(2048, gt=0)
     kv_cache_gib: int = Field(1, gt=0)  # CPU engines: KV cache space per worker (GiB)
 
+    # LoRA adapters a worker serves: "name=path,name2=path2" (a worker-side setting).
+    lora_adapters: str = ""
+
     flower_port: int = Field(5555, ge=1, le=65535)
     flower_user: str = "admin"
     flower_password: str = "tidegate"
@@ -56,6 +59,20 @@ class Settings(BaseSettings):
         if v and not v.startswith(("sqlite", "postgresql")):
             raise ValueError("must be a sqlite:// or postgresql:// URL")
         return v
+
+    @field_validator("lora_adapters")
+    @classmethod
+    def _lora_pairs(cls, v: str) -> str:
+        for item in filter(None, (p.strip() for p in v.split(","))):
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"{item!r} is not name=path")
+        return v
+
+    @property
+    def lora(self) -> tuple[tuple[str, str], ...]:
+        pairs = (p.strip().partition("=") for p in self.lora_adapters.split(",") if p.strip())
+        return tuple((name.strip(), path.strip()) for name, _, path in pairs)
 
     @property
     def db_url(self) -> str:

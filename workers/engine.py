@@ -16,6 +16,8 @@ class EngineConfig:
     slots: int = 64  # sequences batched at once
     kv_cache_gib: int = 1  # CPU engines only
     enable_prefix_caching: bool = True
+    quantization: str | None = None  # weights, e.g. "fp8" where the engine has it
+    lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) served by this engine
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class EngineRequest:
     session_id: str | None = None
     turn: int = 0
     lane: str = ""
+    lora: str | None = None  # name of a LoRA adapter from EngineConfig.lora_adapters
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,11 @@ class WorkerContext:
     host: EngineHost
     lanes: list[str] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)  # deliveries by outcome
+    mean_job_ms: float | None = None  # moving average of a job's run time, for the router
+
+    def record_job_ms(self, ms: float) -> None:
+        old = self.mean_job_ms
+        self.mean_job_ms = ms if old is None else 0.8 * old + 0.2 * ms
 
 
 @dataclass
@@ -80,6 +85,8 @@ def _run_claimed(ctx: WorkerContext, payload: GeneratePayload) -> str:
     state = ctx.publisher.state(payload.job_id)
     if state.terminal:
         return "skipped-terminal"
+    if payload.session_id:  # this worker's KV cache now holds the session's prefix
+        ctx.store.set_session_worker(payload.session_id, ctx.name)
     progress = _Progress(state.next_seq, state.text, list(state.token_ids))
     if progress.seq == 0:
         _emit(ctx, payload.job_id, progress, "started",
@@ -96,6 +103,7 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
     if remaining <= 0 or (timeout_s is not None and timeout_s <= 0):
         return _end_early(ctx, payload, progress, remaining)
     request = _engine_request(payload, remaining, state)
+    started = time.monotonic()
     finish_reason = "length"
     watch = _CancelWatch(ctx, payload.job_id)
     try:
@@ -110,6 +118,7 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
     except EngineError as exc:
         _fail(ctx, payload.job_id, "engine_rejected", str(exc), progress)
         return "error"
+    ctx.record_job_ms((time.monotonic() - started) * 1000)
     return _end_done(ctx, payload, progress, finish_reason)
 
 
@@ -140,7 +149,7 @@ def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState
         request_id=payload.job_id, prompt=payload.prompt, max_tokens=remaining,
         temperature=s.temperature, top_p=s.top_p, seed=s.seed,
         resume_token_ids=state.token_ids, session_id=payload.session_id, turn=payload.turn,
-        lane=payload.lane,
+        lane=payload.lane, lora=payload.lora,
     )
 
 

@@ -25,6 +25,7 @@ from store import Store
 from tasks.app import app, direct_queue
 from tasks.payloads import GENERATE
 from tidegate import keys
+from tidegate.lanes import pool_queue
 from tidegate.settings import Settings, get_settings
 from workers.engine import Engine, EngineConfig
 from workers.host import EngineHost
@@ -53,13 +54,21 @@ def generate(self: Any, body: dict[str, Any]) -> str:
     return outcome
 
 
-def make_engine(settings: Settings, lane: str) -> Engine:
+ENGINES = ("vllm", "trtllm")
+
+
+def make_engine(settings: Settings, lane: str, kind: str) -> Engine:
     profile = settings.lanes[lane]
     config = EngineConfig(
         model=str(settings.model_path), dtype=profile.dtype,
         kv_cache_dtype=profile.kv_cache_dtype, max_model_len=settings.max_model_len,
         slots=settings.engine_slots, kv_cache_gib=settings.kv_cache_gib,
+        quantization=profile.quantization, lora_adapters=settings.lora,
     )
+    if kind == "trtllm":
+        from workers.trtllm_engine import TrtllmEngine
+
+        return TrtllmEngine(config)
     from workers.vllm_engine import VllmEngine
 
     return VllmEngine(config)
@@ -70,18 +79,20 @@ class EngineStep(bootsteps.StartStopStep):
 
     requires = {"celery.worker.components:Pool"}
 
-    def __init__(self, worker: Any, tidegate_lane: str = "chat", **kwargs: Any) -> None:
+    def __init__(self, worker: Any, tidegate_lane: str = "chat", tidegate_pool: str = "",
+                 tidegate_engine: str = "vllm", **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
-        self.lane = tidegate_lane
+        self.lane, self.engine = tidegate_lane, tidegate_engine
+        self.pool = tidegate_pool or tidegate_engine
 
     def start(self, worker: Any) -> None:
         global _ctx
         settings = get_settings()
         name = worker.hostname
         client = redis.Redis.from_url(settings.redis_url)
-        hb = Heartbeat(settings, name, self.lane, client)
+        hb = Heartbeat(settings, name, self.lane, self.pool, client)
         hb.start()
-        host = EngineHost(make_engine(settings, self.lane))
+        host = EngineHost(make_engine(settings, self.lane, self.engine))
         t0 = time.monotonic()
         host.start(warm_prompts=["warm up"])
         log.info("engine loaded and warmed in %.1f s", time.monotonic() - t0)
@@ -100,9 +111,11 @@ class EngineStep(bootsteps.StartStopStep):
 class Heartbeat(threading.Thread):
     """Advertises this worker and its engine stats; renews leases of running jobs."""
 
-    def __init__(self, settings: Settings, name: str, lane: str, client: redis.Redis) -> None:
+    def __init__(self, settings: Settings, name: str, lane: str, pool: str,
+                 client: redis.Redis) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self.settings, self.name, self.lane, self.r = settings, name, lane, client
+        self.pool = pool
         self.ctx: WorkerContext | None = None
 
     def run(self) -> None:
@@ -125,15 +138,18 @@ class Heartbeat(threading.Thread):
         profile = self.settings.lanes[self.lane]
         body: dict[str, Any] = {
             "name": self.name, "state": _state["value"], "lanes": [self.lane],
-            "queues": [profile.queue, direct_queue(self.settings, self.name)],
+            "pool": self.pool, "queues": worker_queues(self.settings, self.lane, self.pool,
+                                                        self.name),
             "model": str(self.settings.model_path), "dtype": profile.dtype,
             "kv_cache_dtype": profile.kv_cache_dtype, "slots": self.settings.engine_slots,
+            "lora": [name for name, _ in self.settings.lora],
             "pid": os.getpid(), "host": socket.gethostname(), "ts": time.time(),
         }
         if self.ctx is not None:
             stats = self.ctx.host.engine.stats()
             body["engine"] = self.ctx.host.engine.kind
             body["stats"] = {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate}
+            body["mean_job_ms"] = self.ctx.mean_job_ms
         return body
 
 
@@ -181,22 +197,33 @@ def _draining(**_: Any) -> None:
     _state["value"] = "draining"
 
 
+def worker_queues(settings: Settings, lane: str, pool: str, name: str) -> list[str]:
+    return [pool_queue(settings.lanes[lane], pool), direct_queue(settings, name)]
+
+
 def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
-               loglevel: str = "INFO") -> None:
+               loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm") -> None:
     settings = get_settings()
     if lane not in settings.lanes:
         raise SystemExit(f"tidegate worker: unknown lane {lane!r}; lanes: {sorted(settings.lanes)}")
+    if engine not in ENGINES:
+        raise SystemExit(f"tidegate worker: unknown engine {engine!r}; engines: {ENGINES}")
+    pool = pool or engine
+    if pool not in settings.lanes[lane].pools:
+        raise SystemExit(f"tidegate worker: lane {lane!r} takes no jobs from pool {pool!r}; "
+                         f"its pools: {settings.lanes[lane].pools}")
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before the engine import sees CUDA
     name = name or f"{lane}-{gpu or 'cpu'}-{os.getpid()}@{socket.gethostname()}"
     celery_app.steps["worker"].add(EngineStep)
     # Celery's own option parser learns `--tidegate-lane`; EngineStep receives it.
-    celery_app.user_options["worker"].add(
-        click.Option(("--tidegate-lane",), default="chat", help="lane this worker serves"))
-    queues = [settings.lanes[lane].queue, direct_queue(settings, name)]
+    for option in ("lane", "pool", "engine"):
+        celery_app.user_options["worker"].add(
+            click.Option((f"--tidegate-{option}",), default="", help=f"tidegate {option}"))
+    queues = worker_queues(settings, lane, pool, name)
     celery_app.worker_main([
         "worker", "-P", "threads", "-c", str(settings.engine_slots),
         "--prefetch-multiplier", "1", "-Q", ",".join(queues), "-n", name,
         "--loglevel", loglevel, "--without-gossip", "--without-mingle",
-        f"--tidegate-lane={lane}",
+        f"--tidegate-lane={lane}", f"--tidegate-pool={pool}", f"--tidegate-engine={engine}",
     ])

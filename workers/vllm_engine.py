@@ -6,9 +6,11 @@ method from its one loop thread.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from workers.engine import Delta, EngineConfig, EngineError, EngineRequest, EngineStats
@@ -68,6 +70,7 @@ class VllmEngine:
         self._recorder = _StatsRecorder()
         self._capacity_tokens = 0
         self._aborted = 0
+        self._loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest
 
     async def start(self) -> None:
         # The CPU build sizes its KV cache from this variable (GiB); ignored on GPUs.
@@ -85,13 +88,33 @@ class VllmEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
             disable_log_stats=False,
             enforce_eager=True,
+            **self._lora_args(),
         )
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._recorder.factory])
         vcfg = self._llm.vllm_config.cache_config
         self._capacity_tokens = int((vcfg.num_gpu_blocks or 0) * vcfg.block_size)
 
+    def _lora_args(self) -> dict[str, Any]:
+        """Engine arguments for the configured LoRA adapters; ids are stable, from 1."""
+        adapters = self.config.lora_adapters
+        if not adapters:
+            return {}
+        from vllm.lora.request import LoRARequest
+
+        names = [name for name, _ in adapters]
+        if len(set(names)) != len(names):
+            raise EngineError(f"duplicate LoRA adapter names in {names}")
+        self._loras = {
+            name: LoRARequest(name, index, path)
+            for index, (name, path) in enumerate(adapters, start=1)
+        }
+        rank = max(_adapter_rank(path) for _, path in adapters)
+        return {"enable_lora": True, "max_lora_rank": _vllm_lora_rank(rank),
+                "max_loras": len(adapters)}
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
@@ -103,13 +126,22 @@ class VllmEngine:
             extra_args={"tidegate": {"session_id": request.session_id, "turn": request.turn,
                                      "lane": request.lane}},
         )
+        lora = None
+        if request.lora is not None:
+            lora = self._loras.get(request.lora)
+            if lora is None:
+                raise EngineError(f"unknown LoRA adapter {request.lora!r}")
         finished = False
         try:
-            async for out in self._llm.generate(self._prompt(request), params, request.request_id):
+            async for out in self._llm.generate(
+                self._prompt(request), params, request.request_id, lora_request=lora
+            ):
                 delta = _delta(out)
                 finished = delta.finished
                 yield delta
-        except ValueError as exc:  # vLLM's validation errors (prompt too long, ...)
+        # vLLM's validation errors: ValueError, and VLLMValidationError (a VLLMClientError,
+        # not a ValueError) for a prompt longer than the context.
+        except (ValueError, VLLMClientError) as exc:
             finished = True
             raise EngineError(str(exc)) from exc
         finally:
@@ -146,6 +178,27 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+
+
+# vLLM's MaxLoRARanks: max_lora_rank must be one of these.
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _adapter_rank(path: str) -> int:
+    """The largest rank in a PEFT adapter's adapter_config.json."""
+    try:
+        config = json.loads((Path(path) / "adapter_config.json").read_text(encoding="utf-8"))
+        ranks = [config["r"], *(config.get("rank_pattern") or {}).values()]
+        return max(int(r) for r in ranks)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EngineError(f"LoRA adapter {path}: cannot read its rank ({exc})") from exc
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    for allowed in _VLLM_LORA_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise EngineError(f"LoRA rank {rank} is above vLLM's largest, {_VLLM_LORA_RANKS[-1]}")
 
 
 def _delta(out: Any) -> Delta:

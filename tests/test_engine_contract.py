@@ -1,0 +1,234 @@
+"""The engine contract: the same tests against every adapter this machine can run.
+
+Each adapter is started once for the module (engine start dominates the run time) and
+driven the way workers drive it, through an EngineHost. vLLM always runs (the CPU build
+here, the CUDA build on a GPU machine); TensorRT-LLM runs where `tensorrt_llm` imports
+and a CUDA GPU is visible, which scripts/gpu_check.py arranges.
+
+TIDEGATE_CONTRACT_ENGINES (comma list, default "vllm,trtllm") picks the adapters to try.
+It is a test knob, not a product setting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from workers.engine import Delta, Engine, EngineConfig, EngineError, EngineRequest, EngineStats
+from workers.host import Cancelled, EngineHost
+
+KINDS = ("vllm", "trtllm")
+SELECTED = [k.strip() for k in os.environ.get("TIDEGATE_CONTRACT_ENGINES", "vllm,trtllm")
+            .split(",") if k.strip()]
+if unknown := sorted(set(SELECTED) - set(KINDS)):
+    raise pytest.UsageError(f"TIDEGATE_CONTRACT_ENGINES names unknown engines {unknown}; "
+                            f"known: {', '.join(KINDS)}")
+TRTLLM_SKIP = ("TensorRT-LLM needs an NVIDIA GPU and the tensorrt_llm package; "
+               "run scripts/gpu_check.py on a GPU machine")
+
+KV_CACHE_DTYPE = "fp8"  # the chat lane's profile: the harder of the two precisions
+MAX_MODEL_LEN = 2048
+MAX_TOKENS = 24
+REQUEST_TIMEOUT_S = 120.0  # per request: two busy CPU cores are slow, never this slow
+STATS_WAIT_S = 10.0  # engine counters arrive a step after the tokens
+# " refund" is one token of the test checkpoint's tokenizer: prompts of exact length.
+WORD = " refund"
+SYSTEM_PROMPT = ("You are the support assistant of a shop. Answer questions about orders, "
+                 "refunds, invoices and delivery in one short paragraph. ") * 8
+QUESTION = " Where is my refund for order 58213?"
+
+pytestmark = pytest.mark.timeout(900)  # the first test also waits for the engine to start
+
+
+def _trtllm_unavailable() -> bool:
+    from workers.trtllm_engine import unavailable_reason
+
+    return unavailable_reason() is not None
+
+
+def _engine_params() -> list[Any]:
+    params = []
+    for kind in KINDS:
+        marks: list[pytest.MarkDecorator] = [pytest.mark.gpu] if kind == "trtllm" else []
+        if kind not in SELECTED:
+            marks.append(pytest.mark.skip(reason=f"{kind} is not in TIDEGATE_CONTRACT_ENGINES"))
+        elif kind == "trtllm" and _trtllm_unavailable():
+            marks.append(pytest.mark.skip(reason=TRTLLM_SKIP))
+        params.append(pytest.param(kind, marks=marks, id=kind))
+    return params
+
+
+def make_engine(kind: str, model: Path) -> Engine:
+    config = EngineConfig(model=str(model), dtype="float16", kv_cache_dtype=KV_CACHE_DTYPE,
+                          max_model_len=MAX_MODEL_LEN, slots=16, kv_cache_gib=1)
+    if kind == "trtllm":
+        from workers.trtllm_engine import TrtllmEngine
+
+        return TrtllmEngine(config)
+    from workers.vllm_engine import VllmEngine
+
+    return VllmEngine(config)
+
+
+@pytest.fixture(scope="module", params=_engine_params())
+def host(request: pytest.FixtureRequest, model_path: Path) -> Iterator[EngineHost]:
+    """One started engine per adapter for the whole module, stopped whatever happens."""
+    engine_host = EngineHost(make_engine(request.param, model_path))
+    try:
+        engine_host.start()
+        yield engine_host
+    finally:
+        engine_host.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+# --- helpers ----------------------------------------------------------------------------
+
+
+def request(prompt: str, max_tokens: int = MAX_TOKENS, **kw: Any) -> EngineRequest:
+    return EngineRequest(request_id=f"contract-{uuid.uuid4().hex[:12]}", prompt=prompt,
+                         max_tokens=max_tokens, **kw)
+
+
+def collect(host: EngineHost, req: EngineRequest) -> list[Delta]:
+    return list(host.run(req, timeout_s=REQUEST_TIMEOUT_S))
+
+
+def tokens(deltas: list[Delta]) -> list[int]:
+    return [t for d in deltas for t in d.token_ids]
+
+
+def wait_for(host: EngineHost, check: Callable[[EngineStats], bool],
+             timeout_s: float = STATS_WAIT_S) -> EngineStats:
+    """The engine's stats once `check` holds; the last stats seen if it never does."""
+    deadline = time.monotonic() + timeout_s
+    while not check(stats := host.engine.stats()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stats
+
+
+def warm(host: EngineHost, prompts: list[str]) -> None:
+    """Warm through the engine's own loop thread, as the standby bootstep does."""
+    asyncio.run_coroutine_threadsafe(host.engine.warm(prompts), host.loop).result(
+        timeout=REQUEST_TIMEOUT_S)
+
+
+def assert_complete(deltas: list[Delta], max_tokens: int) -> None:
+    assert deltas, "no deltas at all"
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert deltas[-1].finish_reason == "length"  # the test checkpoint never emits EOS
+    assert len(tokens(deltas)) == max_tokens
+
+
+# --- the contract -----------------------------------------------------------------------
+
+
+def test_streaming_order(host: EngineHost, tokenizer: Any) -> None:
+    prompt = "Hello there, where is my order?"
+    deltas = collect(host, request(prompt))
+    assert_complete(deltas, MAX_TOKENS)
+    # Streamed text is the decoded tokens, in order, each piece exactly once.
+    assert "".join(d.text for d in deltas) == tokenizer.decode(tokens(deltas))
+    assert all(d.token_ids for d in deltas[:-1]), "an unfinished delta carried no token"
+    prompt_tokens = len(tokenizer(prompt)["input_ids"])
+    assert {d.prompt_tokens for d in deltas} == {prompt_tokens}
+
+
+def test_seed_makes_sampling_repeatable(host: EngineHost) -> None:
+    # A short prompt: seeded requests whose prefill is chunked crash vLLM's CPU build.
+    runs = [collect(host, request("Refund status, please.", max_tokens=16, temperature=0.8,
+                                  seed=20261202)) for _ in range(2)]
+    for deltas in runs:
+        assert_complete(deltas, 16)
+    assert tokens(runs[0]) == tokens(runs[1])
+
+
+def test_cancel_mid_stream_aborts_in_the_engine(host: EngineHost) -> None:
+    before = host.engine.stats().aborted
+    req = request("Tell me everything about my invoices.", max_tokens=1500)
+    seen: list[Delta] = []
+    with pytest.raises(Cancelled):
+        for delta in host.run(req, timeout_s=REQUEST_TIMEOUT_S):
+            seen.append(delta)
+            if len(seen) == 3:
+                host.cancel(req.request_id)
+    assert len(seen) >= 3 and not any(d.finished for d in seen)
+    assert len(tokens(seen)) < 1500
+    stats = wait_for(host, lambda s: s.unfinished == 0 and s.aborted > before)
+    assert stats.unfinished == 0, "the engine still holds the cancelled request"
+    assert stats.aborted == before + 1
+
+
+def test_warm_prompts_give_prefix_cache_hits(host: EngineHost, tokenizer: Any) -> None:
+    # Unique per run so no earlier test cached it; long enough for many 16/32-token blocks.
+    prefix = f"Ticket {uuid.uuid4().hex}. " + SYSTEM_PROMPT
+    assert len(tokenizer(prefix)["input_ids"]) >= 8 * 32
+    warm(host, [prefix])  # a new prefix: the warm request itself finds nothing cached
+    after_warm = host.engine.stats().prefix_hits_tokens
+    assert_complete(collect(host, request(prefix + QUESTION)), MAX_TOKENS)
+    stats = wait_for(host, lambda s: s.prefix_hits_tokens >= after_warm + 4 * 32)
+    assert stats.prefix_hits_tokens >= after_warm + 4 * 32, (
+        f"the warmed prefix was not reused: hits {after_warm} -> {stats.prefix_hits_tokens}")
+    assert stats.prefix_queries_tokens >= stats.prefix_hits_tokens
+
+
+def test_concurrent_requests_are_batched(host: EngineHost) -> None:
+    n, results = 8, {}
+    gate = threading.Barrier(n)
+
+    def one(i: int) -> None:
+        gate.wait()
+        results[i] = collect(host, request(f"Order {i}: where is my parcel?", max_tokens=32))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=REQUEST_TIMEOUT_S)
+    assert sorted(results) == list(range(n))
+    for deltas in results.values():
+        assert_complete(deltas, 32)
+    assert host.engine.stats().max_running_seen > 1
+
+
+def test_precision_is_reported_as_configured(host: EngineHost) -> None:
+    stats = host.engine.stats()
+    assert stats.kind == host.engine.kind
+    assert stats.kv_cache_dtype == KV_CACHE_DTYPE
+    assert stats.kv_capacity_tokens > 0
+
+
+def test_prompt_longer_than_context_is_refused(host: EngineHost, tokenizer: Any) -> None:
+    before = host.engine.stats()
+    prompt = WORD * (MAX_MODEL_LEN + 500)
+    assert len(tokenizer(prompt)["input_ids"]) > MAX_MODEL_LEN
+    with pytest.raises(EngineError):
+        collect(host, request(prompt))
+    # A refused request is not an aborted one, and the engine keeps serving.
+    assert_complete(collect(host, request("Is my invoice paid?")), MAX_TOKENS)
+    stats = wait_for(host, lambda s: s.unfinished == 0)
+    assert (stats.unfinished, stats.aborted) == (0, before.aborted)
+
+
+def test_max_tokens_beyond_context_stops_at_the_limit(host: EngineHost,
+                                                      tokenizer: Any) -> None:
+    prompt = WORD * (MAX_MODEL_LEN - 40)
+    assert len(tokenizer(prompt)["input_ids"]) == MAX_MODEL_LEN - 40
+    deltas = collect(host, request(prompt, max_tokens=500))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert deltas[-1].prompt_tokens == MAX_MODEL_LEN - 40
+    assert len(tokens(deltas)) == 40  # the context is full: prompt + output = the limit

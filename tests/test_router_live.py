@@ -1,0 +1,132 @@
+"""Routing on real workers: the `support` lane is served by two vLLM workers standing as
+two pools, `primary` (preferred) and `fallback` (one slot, and the LoRA adapter).
+
+The tests run in file order: the last ones stop the primary worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from api.client import Client
+from tests.stack import Stack
+from tidegate import keys
+from tidegate.procs import Proc, start_worker, wait_until
+
+PROMPT = "Please check the status of my refund"
+
+
+@dataclass
+class Pools:
+    primary: str
+    fallback: str
+    procs: dict[str, Proc]
+
+
+@pytest.fixture(scope="module")
+def lora_path(model_path: Path) -> Path:
+    from tidegate.testlora import build_test_lora
+
+    return build_test_lora(model_path, model_path.parent / "tidegate-test-lora")
+
+
+@pytest.fixture(scope="module")
+def pools(stack: Stack, lora_path: Path, tmp_root: Path) -> Iterator[Pools]:
+    names = {"primary": "support-primary@tidegate", "fallback": "support-fallback@tidegate"}
+    envs = {"primary": dict(os.environ),
+            "fallback": {**os.environ, "TIDEGATE_ENGINE_SLOTS": "1",
+                         "TIDEGATE_LORA_ADAPTERS": f"support={lora_path}"}}
+    procs: dict[str, Proc] = {}
+    try:
+        for pool, name in names.items():
+            procs[pool] = start_worker(envs[pool], "support", name, tmp_root / "logs", pool=pool)
+        wait_until(lambda: all(_active(stack, n) for n in names.values()), 240,
+                   "both support workers to be active", list(procs.values()), poll_s=0.5)
+        yield Pools(names["primary"], names["fallback"], procs)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def _active(stack: Stack, name: str) -> bool:
+    import json
+
+    raw = stack.redis.get(keys.worker_heartbeat(stack.namespace, name))
+    return raw is not None and json.loads(raw)["state"] == "active"
+
+
+def run_job(stack: Stack, **options: object) -> tuple[dict, list]:
+    with Client(stack.base_url, stack.api_key) as client:
+        job_id = client.submit("support", prompt=PROMPT, **options)["job_id"]
+        events = list(client.stream(job_id))
+        return client.job(job_id), events
+
+
+def test_jobs_go_to_the_primary_pool(stack: Stack, pools: Pools) -> None:
+    for _ in range(3):
+        job, events = run_job(stack, max_tokens=4)
+        assert events[-1].kind == "done"
+        assert job["worker"] == pools.primary
+        assert job["queue"] == "support.primary"
+        assert job["route_reason"].startswith("preferred pool primary")
+
+
+def test_a_lora_job_goes_to_the_worker_with_the_adapter(stack: Stack, pools: Pools) -> None:
+    plain, plain_events = run_job(stack, max_tokens=24, temperature=0.0)
+    tuned, tuned_events = run_job(stack, max_tokens=24, temperature=0.0, lora="support")
+    assert plain["worker"] == pools.primary
+    assert tuned["worker"] == pools.fallback and tuned["lora"] == "support"
+    assert "LoRA adapter 'support'" in tuned["route_reason"]
+
+    def ids(events: list) -> list[int]:
+        return [i for e in events if e.kind == "token" for i in e.token_ids]
+
+    assert len(ids(tuned_events)) == 24 and ids(tuned_events) != ids(plain_events)
+
+
+def test_higher_priority_starts_first_under_a_backlog(stack: Stack, pools: Pools) -> None:
+    """The fallback worker has one slot: while a long job holds it, the others wait in
+    Redis, and the more urgent ones are started first whatever their arrival order."""
+    with Client(stack.base_url, stack.api_key) as client:
+        blocker = client.submit("support", prompt=PROMPT, max_tokens=1500, lora="support")
+        low = [client.submit("support", prompt=PROMPT, max_tokens=2, lora="support",
+                             priority=1)["job_id"] for _ in range(3)]
+        high = [client.submit("support", prompt=PROMPT, max_tokens=2, lora="support",
+                              priority=8)["job_id"] for _ in range(3)]
+        for job_id in [blocker["job_id"], *low, *high]:
+            assert list(client.stream(job_id))[-1].kind == "done"
+        started = {j: client.job(j)["started_at"] for j in low + high}
+    assert max(started[j] for j in high) < min(started[j] for j in low)
+
+
+def test_a_session_sticks_to_its_worker_then_moves_when_it_dies(stack: Stack,
+                                                                 pools: Pools) -> None:
+    first, _ = run_job(stack, max_tokens=4, session_id="crm-session-1")
+    second, _ = run_job(stack, max_tokens=4, session_id="crm-session-1")
+    assert first["worker"] == second["worker"] == pools.primary
+    assert second["route_reason"].startswith("session affinity")
+
+    ttl = stack.redis.ttl(keys.worker_heartbeat(stack.namespace, pools.primary))
+    assert 0 < ttl <= 5 * 0.5 + 1  # the heartbeat TTL bounds how long a dead worker is chosen
+    pools.procs["primary"].stop()
+    wait_until(lambda: not stack.redis.exists(keys.worker_heartbeat(stack.namespace,
+                                                                    pools.primary)),
+               ttl + 5, "the dead primary's heartbeat to expire")
+
+    third, events = run_job(stack, max_tokens=4, session_id="crm-session-1")
+    assert events[-1].kind == "done" and third["worker"] == pools.fallback
+    assert "session's worker support-primary@tidegate unavailable" in third["route_reason"]
+    assert "pool primary: no healthy active worker" in third["route_reason"]
+
+
+def test_new_jobs_go_to_the_fallback_once_the_primary_is_gone(stack: Stack,
+                                                              pools: Pools) -> None:
+    job, events = run_job(stack, max_tokens=4)
+    assert events[-1].kind == "done"
+    assert job["worker"] == pools.fallback and job["queue"] == "support.fallback"
+    assert job["route_reason"].startswith("fallback pool fallback")
