@@ -9,6 +9,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -37,7 +38,8 @@ from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.api")
 
-SSE_BLOCK_MS = 15_000  # an SSE comment is sent this often while a job is quiet
+SSE_BLOCK_MS = 15_000
+API_THREADS = 64  # an SSE comment is sent this often while a job is quiet
 
 
 class Deps:
@@ -61,6 +63,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Store and broker calls block: give them more threads than the default
+        # (cores + 4), so SSE readers' lookups do not queue behind a burst of submits.
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
         follower = asyncio.create_task(deps.metrics.follow(deps.redis, settings.namespace))
         yield
         follower.cancel()

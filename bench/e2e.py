@@ -23,8 +23,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,6 +130,9 @@ class Arrivals:
 
 
 RequestFn = Callable[[RequestSpec], Awaitable[Sample]]
+# A fresh HTTP client per round: a keep-alive connection left idle between rounds can be
+# closed by the server (uvicorn: 5 s) just as it is reused, which fails that request.
+Session = Callable[[], AbstractAsyncContextManager[RequestFn]]
 
 
 def prompt(round_no: int, i: int) -> str:
@@ -153,20 +156,21 @@ async def guarded(fn: RequestFn, spec: RequestSpec) -> Sample:
         return Sample(error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-async def run_round(fn: RequestFn, round_no: int, n: int) -> Round:
+async def run_round(session: Session, round_no: int, n: int) -> Round:
     specs = [RequestSpec(prompt(round_no, i)) for i in range(n)]
-    start = time.perf_counter()
-    samples = await asyncio.gather(*(guarded(fn, s) for s in specs))
-    return Round(list(samples), time.perf_counter() - start)
+    async with session() as fn:
+        start = time.perf_counter()
+        samples = await asyncio.gather(*(guarded(fn, s) for s in specs))
+        return Round(list(samples), time.perf_counter() - start)
 
 
-async def run_load(name: str, fn: RequestFn) -> list[Round]:
-    warm = await run_round(fn, 0, WARMUP)
+async def run_load(name: str, session: Session) -> list[Round]:
+    warm = await run_round(session, 0, WARMUP)
     log(f"{name}: warm-up {WARMUP} requests in {warm.wall_s:.2f} s, "
         f"{sum(s.error is not None for s in warm.samples)} errors")
     rounds = []
     for round_no in range(1, ROUNDS + 1):
-        r = await run_round(fn, round_no, CONCURRENCY)
+        r = await run_round(session, round_no, CONCURRENCY)
         ok = [s.ttft_ms for s in r.samples if s.error is None]
         log(f"{name}: round {round_no}: {r.tokens_per_s:,.0f} tokens/s, wall {r.wall_s:.2f} s, "
             f"TTFT p50 {fmt(median(ok))} ms, {len(r.samples) - len(ok)} errors")
@@ -260,12 +264,16 @@ def tidegate_stack(tmp: Path) -> Iterator[tuple[str, str, list[Proc]]]:
         stop_all(procs)
 
 
-async def load_tidegate(base: str, key: str) -> list[Round]:
-    client = AsyncClient(base, key, timeout_s=60)
-    try:
-        return await run_load("tidegate", lambda spec: tidegate_request(client, spec))
-    finally:
-        await client.aclose()
+def tidegate_session(base: str, key: str) -> Session:
+    @asynccontextmanager
+    async def session() -> AsyncIterator[RequestFn]:
+        client = AsyncClient(base, key, timeout_s=60)  # the SDK, as a producer would use it
+        try:
+            yield lambda spec: tidegate_request(client, spec)
+        finally:
+            await client.aclose()
+
+    return session
 
 
 def measure_tidegate(tmp: Path) -> tuple[list[Round], dict[str, str]]:
@@ -274,7 +282,7 @@ def measure_tidegate(tmp: Path) -> tuple[list[Round], dict[str, str]]:
     with tidegate_stack(tmp) as (base, key, procs):
         log(f"tidegate: ready in {time.monotonic() - start:.0f} s")
         load = load_average()
-        rounds = asyncio.run(load_tidegate(base, key))
+        rounds = asyncio.run(run_load("tidegate", tidegate_session(base, key)))
         alive = {p.name: p.alive() for p in procs}
         worker_log = next(p.log_path for p in procs if p.name.startswith("worker:"))
     if not all(alive.values()):
@@ -337,11 +345,15 @@ def peer_server(tmp: Path) -> Iterator[tuple[str, Proc]]:
         proc.stop()
 
 
-async def load_peer(base: str) -> list[Round]:
-    limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=CONCURRENCY)
-    timeout = httpx.Timeout(60.0, read=None)
-    async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as http:
-        return await run_load("vLLM server", lambda spec: peer_request(http, spec))
+def peer_session(base: str) -> Session:
+    @asynccontextmanager
+    async def session() -> AsyncIterator[RequestFn]:
+        limits = httpx.Limits(max_connections=CONCURRENCY * 2)
+        timeout = httpx.Timeout(60.0, read=None)
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=timeout) as http:
+            yield lambda spec: peer_request(http, spec)
+
+    return session
 
 
 def measure_peer(tmp: Path) -> tuple[list[Round], dict[str, str]]:
@@ -350,7 +362,7 @@ def measure_peer(tmp: Path) -> tuple[list[Round], dict[str, str]]:
     with peer_server(tmp) as (base, proc):
         log(f"vLLM server: ready in {time.monotonic() - start:.0f} s")
         load = load_average()
-        rounds = asyncio.run(load_peer(base))
+        rounds = asyncio.run(run_load("vLLM server", peer_session(base)))
     return rounds, {"prefix_caching": prefix_caching(proc.log_path), "load_before": load}
 
 

@@ -112,6 +112,13 @@ class Store:
         self._serial: AbstractContextManager[Any] = (
             threading.Lock() if is_sqlite_memory(self.url) else nullcontext()
         )
+        # SQLite has one writer at a time. Threads of this process queue on a lock, in
+        # order, instead of in SQLite's busy handler, which sleeps in growing steps and
+        # turned a 64-job burst's writes into waits of seconds.
+        sqlite_file = self.url.get_backend_name() == "sqlite" and not is_sqlite_memory(self.url)
+        self._writer: AbstractContextManager[Any] = (
+            threading.Lock() if sqlite_file else nullcontext()
+        )
 
     def close(self) -> None:
         self.engine.dispose()
@@ -127,7 +134,7 @@ class Store:
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
-        with self._serial, self._write_sessions.begin() as session:
+        with self._writer, self._serial, self._write_sessions.begin() as session:
             yield session
 
     # -- tenants ---------------------------------------------------------------------

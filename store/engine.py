@@ -46,6 +46,10 @@ def _sqlite_engine(url: URL, options: dict[str, Any]) -> Engine:
     if is_sqlite_memory(url):
         # Each connection to :memory: is a different database: share one connection.
         options.setdefault("poolclass", StaticPool)
+    if not is_sqlite_memory(url):
+        # A worker runs one thread per engine slot, each with its own connection.
+        options.setdefault("pool_size", 16)
+        options.setdefault("max_overflow", 64)
     engine = create_engine(url, connect_args=connect_args, **options)
     event.listen(engine, "connect", _sqlite_connect)
     event.listen(engine, "begin", _sqlite_begin)
@@ -58,6 +62,9 @@ def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
     cursor.execute("PRAGMA journal_mode = WAL")
+    # With WAL, NORMAL syncs at checkpoints rather than every commit: a crash keeps the
+    # database consistent; only a power loss can drop the last commits.
+    cursor.execute("PRAGMA synchronous = NORMAL")
     cursor.execute("PRAGMA foreign_keys = ON")  # same integrity as PostgreSQL
     cursor.close()
 

@@ -193,3 +193,21 @@ def test_status_shows_fp8_kv_cache_holding_about_twice_the_tokens(stack: Stack) 
     assert str(fp8) in rows[stack.workers["chat"]] and " fp8 " in rows[stack.workers["chat"]]
     assert str(fp16) in rows[stack.workers["finance"]]
     assert " float16 " in rows[stack.workers["finance"]]
+
+
+def test_seeded_long_prompts_arriving_at_once_do_not_break_the_engine(stack: Stack) -> None:
+    """Long prompts arriving together overflow one step's prefill budget; with a seed each,
+    a chunked prefill would kill vLLM's CPU engine core."""
+    long_messages = [{"role": "user", "content": "Please summarise the invoice totals and "
+                      "the refund status. " * 80}]  # about 1,200 tokens
+
+    def one(seed: int) -> list[Event]:
+        with Client(stack.base_url, stack.api_key) as client:
+            job = client.submit("chat", messages=long_messages, max_tokens=8, seed=seed,
+                                temperature=0.9)
+            return list(client.stream(job["job_id"]))
+
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, range(24)))
+    assert all(r[-1].kind == "done" for r in results)
+    assert engine_stats(stack.workers["chat"])["unfinished"] == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.engine import EngineConfig, EngineError, EngineStats
+from workers.engine import EngineConfig, EngineError, EngineRequest, EngineStats
 from workers.trtllm_engine import (
     PYTORCH,
     TENSORRT,
@@ -28,6 +28,7 @@ from workers.trtllm_engine import (
     finish_reason,
     fold_iteration,
     llm_kwargs,
+    sampling_seed,
     unavailable_reason,
 )
 
@@ -141,6 +142,13 @@ def test_context_limit_is_vllms() -> None:
         clamp_max_tokens(2048, 10, 2048)
     assert clamp_max_tokens(2008, 500, 2048) == 40
     assert clamp_max_tokens(10, 24, 2048) == 24
+
+
+def test_unseeded_requests_get_their_own_seed() -> None:
+    # TensorRT-LLM's default seed is one fixed value: every unseeded request would share it.
+    unseeded = EngineRequest(request_id="r", prompt="p", max_tokens=4)
+    assert len({sampling_seed(unseeded) for _ in range(8)}) == 8
+    assert sampling_seed(replace(unseeded, seed=7)) == 7
 
 
 def test_finish_reasons_are_the_protocols() -> None:

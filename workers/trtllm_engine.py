@@ -36,6 +36,7 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -176,6 +177,12 @@ def clamp_max_tokens(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> i
     return max(1, min(max_tokens, max_seq_len - prompt_tokens))
 
 
+def sampling_seed(request: EngineRequest) -> int:
+    """TensorRT-LLM samples every unseeded request with the same default seed (0), so equal
+    prompts would get equal "random" answers; vLLM draws a fresh one. Do as vLLM does."""
+    return request.seed if request.seed is not None else random.getrandbits(63)
+
+
 def finish_reason(reason: str | None) -> str | None:
     return None if reason is None else FINISH_REASONS.get(str(reason), str(reason))
 
@@ -267,7 +274,7 @@ class TrtllmEngine:
         ids = self._prompt_ids(request)
         params = SamplingParams(
             max_tokens=clamp_max_tokens(len(ids), request.max_tokens, self.config.max_model_len),
-            temperature=request.temperature, top_p=request.top_p, seed=request.seed)
+            temperature=request.temperature, top_p=request.top_p, seed=sampling_seed(request))
         result = self._llm.generate_async(
             ids, params, streaming=True,
             kv_cache_retention_config=self.retention_for(request))

@@ -89,6 +89,7 @@ class VllmEngine:
             disable_log_stats=False,
             enforce_eager=True,
             **self._lora_args(),
+            **_platform_args(cfg),
         )
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._recorder.factory])
         vcfg = self._llm.vllm_config.cache_config
@@ -199,6 +200,21 @@ def _vllm_lora_rank(rank: int) -> int:
         if rank <= allowed:
             return allowed
     raise EngineError(f"LoRA rank {rank} is above vLLM's largest, {_VLLM_LORA_RANKS[-1]}")
+
+
+def _platform_args(cfg: EngineConfig) -> dict[str, Any]:
+    """Engine arguments that depend on the device.
+
+    On CPU, a seeded request whose prefill is chunked kills the engine core (torch's CPU
+    generator cannot rewind its offset), so prefills are never chunked there: every
+    prompt that fits the model fits one step's token budget. FP8 weights are a GPU feature.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {"quantization": cfg.quantization} if cfg.quantization else {}
+    return {"enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(cfg.max_model_len, 8192)}
 
 
 def _delta(out: Any) -> Delta:
