@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,7 +40,8 @@ from tidegate.settings import Settings, get_settings
 log = logging.getLogger("tidegate.api")
 
 SSE_BLOCK_MS = 15_000
-API_THREADS = 64  # an SSE comment is sent this often while a job is quiet
+API_THREADS = 12
+FLEET_CACHE_S = 0.25  # an SSE comment is sent this often while a job is quiet
 
 
 class Deps:
@@ -55,6 +57,19 @@ class Deps:
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)
         self.metrics = ApiMetrics()
+        self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
+        self._fleet_lock = threading.Lock()
+
+    def fleet(self) -> list[WorkerView]:
+        """Worker heartbeats, read at most every FLEET_CACHE_S: heartbeats change every
+        `heartbeat_s`, and a SCAN per submit was a large share of the API's time."""
+        with self._fleet_lock:
+            read_at, views = self._fleet
+            if time.monotonic() - read_at > FLEET_CACHE_S:
+                views = [WorkerView.from_heartbeat(hb)
+                         for hb in read_fleet(self.sync_redis, self.settings.namespace)]
+                self._fleet = (time.monotonic(), views)
+            return views
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -176,8 +191,7 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
 
 
 def _route(deps: Deps, lane: Lane, req: JobRequest, tenant_id: int) -> Route:
-    fleet = [WorkerView.from_heartbeat(hb)
-             for hb in read_fleet(deps.sync_redis, deps.settings.namespace)]
+    fleet = deps.fleet()
     backlog = queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
     session = deps.store.get_session(req.session_id, tenant_id) if req.session_id else None
     try:
