@@ -185,6 +185,7 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
                                   lora=req.lora)
         _publish(deps, job.id, payload, decision.queue, redis_priority(priority))
         deps.metrics.jobs.labels(req.lane).inc()
+        _sample_traffic(deps, req)
     return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
                        priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
                        created=created)
@@ -201,6 +202,25 @@ def _route(deps: Deps, lane: Lane, req: JobRequest, tenant_id: int) -> Route:
         if exc.field is not None:
             raise bad_request(exc.field, str(exc)) from None
         raise unavailable(str(exc)) from None
+
+
+HOT_KEEP = 50  # distinct system prompts remembered per lane for warm-ups
+
+
+def _sample_traffic(deps: Deps, req: JobRequest) -> None:
+    """Arrivals per lane per minute (the scheduler moves them into the store for its
+    forecast), and the lane's system prompts by use (warmed into activated workers)."""
+    ns = deps.settings.namespace
+    pipe = deps.sync_redis.pipeline(transaction=False)
+    key = keys.arrivals(ns, req.lane, int(time.time() // 60))
+    pipe.incr(key)
+    pipe.expire(key, 7200)
+    system = [m for m in req.messages or [] if m.role == "system"]
+    if system:
+        hot = keys.hot_prefixes(ns, req.lane)
+        pipe.zincrby(hot, 1, deps.prompts.render_prefix(system))
+        pipe.zremrangebyrank(hot, 0, -(HOT_KEEP + 1))
+    pipe.execute()
 
 
 def _session_turn(deps: Deps, job_id: str, tenant_id: int, session_id: str | None) -> int:

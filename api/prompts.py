@@ -24,5 +24,12 @@ class PromptRenderer:
                 messages, tokenize=False, add_generation_prompt=True))
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
 
+    def render_prefix(self, system: list[Any]) -> str:
+        """The rendered system turn: the prefix every request of such a chat starts with."""
+        messages = [m.model_dump() for m in system]
+        if getattr(self.tokenizer, "chat_template", None):
+            return str(self.tokenizer.apply_chat_template(messages, tokenize=False))
+        return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n"
+
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))

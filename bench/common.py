@@ -72,35 +72,47 @@ def write_report(path: Path, title: str, table: str, setup: Mapping[str, Any],
 
 
 def plot_distributions(path: Path, series: Mapping[str, Sequence[float]], title: str,
-                       xlabel: str) -> None:
-    """Overlaid histograms and empirical CDFs of one measure for several systems."""
+                       xlabel: str, histogram: bool = True,
+                       styles: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+    """Empirical CDFs of one measure for several systems, beside overlaid histograms unless
+    `histogram` is False (series of very different sizes make histograms unreadable).
+    `styles`: matplotlib line keywords per series name."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display here; set before pyplot is imported
     import matplotlib.pyplot as plt
 
-    fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4.2))
-    pooled = [v for values in series.values() for v in values]
-    # One set of bin edges for every system, so bar heights compare directly.
-    low, high = (min(pooled), max(pooled)) if pooled else (0.0, 1.0)
-    edges = [low + (high - low) * i / 40 for i in range(41)] if high > low else 40
+    if histogram:
+        fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4.2))
+        _histograms(hist, series, xlabel)
+    else:
+        fig, cdf = plt.subplots(figsize=(7.5, 4.5))
     for name, values in series.items():
-        if not values:
-            continue
-        hist.hist(values, bins=edges, alpha=0.55, label=name)
-        ordered = sorted(values)
-        ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
-        cdf.step(ordered, ys, where="post", label=name)
-    hist.set(xlabel=xlabel, ylabel="requests", title="histogram")
+        if values:
+            ordered = sorted(values)
+            ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
+            cdf.step(ordered, ys, where="post", label=name, **(styles or {}).get(name, {}))
     cdf.set(xlabel=xlabel, ylabel="fraction of requests", title="CDF", ylim=(0, 1.02))
-    for ax in (hist, cdf):
-        ax.grid(alpha=0.3)
-        ax.legend()
+    cdf.grid(alpha=0.3)
+    cdf.legend()
     fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _histograms(ax: Any, series: Mapping[str, Sequence[float]], xlabel: str) -> None:
+    pooled = [v for values in series.values() for v in values]
+    # One set of bin edges for every system, so bar heights compare directly.
+    low, high = (min(pooled), max(pooled)) if pooled else (0.0, 1.0)
+    edges = [low + (high - low) * i / 40 for i in range(41)] if high > low else 40
+    for name, values in series.items():
+        if values:
+            ax.hist(values, bins=edges, alpha=0.55, label=name)
+    ax.set(xlabel=xlabel, ylabel="requests", title="histogram")
+    ax.grid(alpha=0.3)
+    ax.legend()
 
 
 def _finite(value: Any) -> Any:

@@ -36,6 +36,7 @@ from store.models import (
     ChatSession,
     Job,
     Tenant,
+    TrafficSample,
     UTCDateTime,
 )
 from store.records import (
@@ -44,6 +45,7 @@ from store.records import (
     SessionRecord,
     TenantExistsError,
     TenantRecord,
+    TrafficRecord,
     job_record,
     session_record,
     tenant_record,
@@ -423,3 +425,31 @@ class Store:
             if chat is None or (tenant_id is not None and chat.tenant_id != tenant_id):
                 return None
             return session_record(chat)
+
+    # -- traffic ---------------------------------------------------------------------
+
+    def record_arrivals(self, lane: str, minute: datetime, count: int = 1) -> TrafficRecord:
+        """Add `count` arrivals to the lane's sample for the minute `minute` falls in;
+        returns the minute's new total. One statement, so concurrent producers add up."""
+        if count < 0:
+            raise ValueError(f"arrivals count {count} < 0")
+        minute = _aware(minute).replace(second=0, microsecond=0)
+        insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
+        stmt = insert(TrafficSample).values(lane=lane, minute=minute, arrivals=count)
+        stmt = stmt.on_conflict_do_update(
+            index_elements=[TrafficSample.lane, TrafficSample.minute],
+            set_={"arrivals": TrafficSample.arrivals + stmt.excluded.arrivals},
+        )
+        with self._write() as session:
+            total = session.scalar(stmt.returning(TrafficSample.arrivals))
+        return TrafficRecord(lane=lane, minute=minute, arrivals=int(total or 0))
+
+    def arrivals(self, lane: str, since: datetime, until: datetime) -> list[tuple[datetime, int]]:
+        """The lane's (minute, arrivals) samples with since <= minute < until, oldest first.
+        A minute without arrivals has no sample."""
+        stmt = (select(TrafficSample.minute, TrafficSample.arrivals)
+                .where(TrafficSample.lane == lane, TrafficSample.minute >= _aware(since),
+                       TrafficSample.minute < _aware(until))
+                .order_by(TrafficSample.minute))
+        with self._read() as session:
+            return [(minute, int(count)) for minute, count in session.execute(stmt)]

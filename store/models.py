@@ -1,4 +1,4 @@
-"""SQLAlchemy 2 models: tenants, jobs and chat sessions.
+"""SQLAlchemy 2 models: tenants, jobs, chat sessions and traffic samples.
 
 The types are portable between SQLite (default) and PostgreSQL (production). Constraint
 names follow one naming convention so migrations and batch mode on SQLite can address them.
@@ -140,3 +140,16 @@ class ChatSession(Base):
     turns: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_worker: Mapped[str | None] = mapped_column(String(255))
     last_seen: Mapped[datetime] = mapped_column(index=True)
+
+
+class TrafficSample(Base):
+    """Arrivals of one lane in one minute: the history the traffic forecast reads."""
+
+    __tablename__ = "traffic"
+    # Also the index of the forecaster's range reads (one lane, a span of minutes).
+    __table_args__ = (UniqueConstraint("lane", "minute"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lane: Mapped[str] = mapped_column(String(64))
+    minute: Mapped[datetime]  # UTC, truncated to the minute
+    arrivals: Mapped[int] = mapped_column(Integer)

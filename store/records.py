@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from store.models import TERMINAL_STATUSES, ChatSession, Job, Tenant
+from store.models import TERMINAL_STATUSES, ChatSession, Job, Tenant, TrafficSample
 
 
 class TenantExistsError(ValueError):
@@ -87,6 +87,13 @@ class SessionRecord:
     last_seen: datetime
 
 
+@dataclass(frozen=True)
+class TrafficRecord:
+    lane: str
+    minute: datetime  # UTC, truncated to the minute
+    arrivals: int
+
+
 def tenant_record(tenant: Tenant) -> TenantRecord:
     return TenantRecord(
         id=tenant.id,
@@ -116,3 +123,7 @@ def session_record(session: ChatSession) -> SessionRecord:
         last_worker=session.last_worker,
         last_seen=session.last_seen,
     )
+
+
+def traffic_record(sample: TrafficSample) -> TrafficRecord:
+    return TrafficRecord(lane=sample.lane, minute=sample.minute, arrivals=sample.arrivals)

@@ -70,8 +70,8 @@ def stack(redis_server: str, migrated_db: str, model_path: Path, tmp_root: Path)
     tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat", "support"])
     port = free_port()
     try:
-        for lane, name in workers.items():
-            procs.append(start_worker(env, lane, name, logs))
+        for core, (lane, name) in enumerate(workers.items()):
+            procs.append(start_worker(env, lane, name, logs, cpus=str(core % 2)))
         procs.append(start_api(env, port, logs))
         base = f"http://127.0.0.1:{port}"
         wait_until(lambda: _ready(base, set(workers.values())), WORKER_START_S,

@@ -61,7 +61,7 @@ def _worker(args: argparse.Namespace) -> None:
     from workers.service import run_worker
 
     run_worker(app, args.lane, args.gpu, args.name, args.loglevel, pool=args.pool,
-               engine=args.engine)
+               engine=args.engine, standby=args.standby, cpus=args.cpus)
 
 
 def _api(args: argparse.Namespace) -> None:
@@ -80,6 +80,12 @@ def _flower(args: argparse.Namespace) -> None:
     s = get_settings()
     app.start(["flower", f"--port={args.port or s.flower_port}", "--address=127.0.0.1",
                f"--basic-auth={s.flower_user}:{s.flower_password}"])
+
+
+def _scheduler(args: argparse.Namespace) -> None:
+    from scheduler.service import run_scheduler
+
+    run_scheduler(args.loglevel)
 
 
 def _status(_: argparse.Namespace) -> None:
@@ -102,10 +108,14 @@ def _parser() -> argparse.ArgumentParser:
     w = sub.add_parser("worker", help="run a worker hosting one engine")
     w.add_argument("--lane", required=True)
     w.add_argument("--gpu", default=None, help="GPU index, pinned with CUDA_VISIBLE_DEVICES")
+    w.add_argument("--cpus", default=None,
+                   help="CPU engines: cores to pin the engine to, e.g. 1 or 2-3")
     w.add_argument("--name", default=None, help="worker name (Celery node name)")
     w.add_argument("--loglevel", default="INFO")
     w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm"])
     w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
+    w.add_argument("--standby", action="store_true",
+                   help="load and warm the engine, but take no lane job until activated")
     w.set_defaults(func=_worker)
     a = sub.add_parser("api", help="run the HTTP API")
     a.add_argument("--host", default=None)
@@ -115,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--port", type=int, default=None)
     f.set_defaults(func=_flower)
     sub.add_parser("status", help="show the fleet").set_defaults(func=_status)
+    sched = sub.add_parser("scheduler", help="run the scheduler (Celery beat and its tasks)")
+    sched.add_argument("--loglevel", default="INFO")
+    sched.set_defaults(func=_scheduler)
     return p
 
 

@@ -48,10 +48,13 @@ def prepare(settings: Settings) -> Path:
 def start_stack(settings: Settings, logs: Path, procs: list[Proc]) -> str:
     env = dict(os.environ)
     names = []
-    for lane in settings.lanes:
+    cores = os.cpu_count() or 1
+    for i, lane in enumerate(settings.lanes):
         name = f"{lane}-demo-{os.getpid()}@localhost"
         names.append(name)
-        procs.append(start_worker(env, lane, name, logs))
+        # One core per engine, like one GPU per worker (vLLM's CPU build otherwise binds
+        # every engine to the same core).
+        procs.append(start_worker(env, lane, name, logs, cpus=str((cores - 1 - i) % cores)))
     port = settings.api_port if _port_free(settings.api_port) else free_port()
     procs.append(start_api(env, port, logs))
     base = f"http://127.0.0.1:{port}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import redis
@@ -20,8 +21,26 @@ def read_fleet(client: redis.Redis, namespace: str) -> list[dict[str, Any]]:
     return sorted(fleet, key=lambda w: w["name"])
 
 
+def recent_actions(client: redis.Redis, namespace: str, count: int = 10) -> list[dict[str, Any]]:
+    entries: Any = client.xrevrange(keys.scheduler_actions(namespace), count=count)
+    return [json.loads(fields[b"a"]) for _, fields in reversed(entries)]
+
+
 def print_fleet(settings: Settings) -> None:
-    fleet = read_fleet(redis.Redis.from_url(settings.redis_url), settings.namespace)
+    client = redis.Redis.from_url(settings.redis_url)
+    fleet = read_fleet(client, settings.namespace)
+    _print_workers(fleet)
+    actions = [a for a in recent_actions(client, settings.namespace, 50)
+               if a.get("action") != "tick"][-10:]
+    if actions:
+        print("\nrecent scheduler actions:")
+        for a in actions:
+            detail = {k: v for k, v in a.items() if k not in ("ts", "action")}
+            when = time.strftime("%H:%M:%S", time.localtime(a["ts"]))
+            print(f"  {when} {a['action']:20} {json.dumps(detail)}")
+
+
+def _print_workers(fleet: list[dict[str, Any]]) -> None:
     if not fleet:
         print("no worker is heartbeating")
         return

@@ -13,6 +13,13 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:finished``              | stream  | worker          | ``FINISHED_MAXLEN`` entries       |
 | ``{ns}:worker:{name}``         | string  | worker          | heartbeat, 5 x ``heartbeat_s``    |
 | ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | 120 s (fixed one-minute windows)  |
+| ``{ns}:desired``               | hash    | scheduler       | worker -> desired state and queue |
+| ``{ns}:lock:{name}:{period}``  | string  | scheduler       | two periods (one beat acts)       |
+| ``{ns}:actions``               | stream  | scheduler       | 10,000 entries                    |
+| ``{ns}:health:{worker}``       | hash    | scheduler       | 600 s (strikes, reset done)       |
+| ``{ns}:arrivals:{lane}:{min}`` | counter | API             | until the scheduler moves it      |
+| ``{ns}:hot:{lane}``            | zset    | API             | rendered system prompts by use    |
+| ``{ns}:activation_s``          | list    | scheduler       | last 20 activation times          |
 
 Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so SSE's
 ``Last-Event-ID`` maps straight onto ``XREAD`` and a duplicate append is refused by Redis.
@@ -58,6 +65,44 @@ def worker_heartbeat_pattern(ns: str) -> str:
 
 def rate_window(ns: str, tenant_id: int, minute: int, kind: str) -> str:
     return f"{ns}:rate:{tenant_id}:{minute}:{kind}"
+
+
+def desired_states(ns: str) -> str:
+    return f"{ns}:desired"
+
+
+def scheduler_lock(ns: str, name: str, period: int) -> str:
+    return f"{ns}:lock:{name}:{period}"
+
+
+def scheduler_actions(ns: str) -> str:
+    return f"{ns}:actions"
+
+
+def health_strikes(ns: str, worker: str) -> str:
+    return f"{ns}:health:{worker}"
+
+
+def arrivals(ns: str, lane: str, minute: int) -> str:
+    return f"{ns}:arrivals:{lane}:{minute}"
+
+
+def arrivals_pattern(ns: str) -> str:
+    return f"{ns}:arrivals:*"
+
+
+def parse_arrivals(key: str) -> tuple[str, int]:
+    """(lane, minute since the epoch) of an arrivals counter key."""
+    _, lane, minute = key.rsplit(":", 2)
+    return lane, int(minute)
+
+
+def hot_prefixes(ns: str, lane: str) -> str:
+    return f"{ns}:hot:{lane}"
+
+
+def activation_times(ns: str) -> str:
+    return f"{ns}:activation_s"
 
 
 def stream_id(seq: int) -> str:

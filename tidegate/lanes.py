@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import tomllib
+from datetime import datetime, time
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_LANES_FILE = Path(__file__).with_name("lanes.toml")
+
+
+class PeakSpec(BaseModel):
+    """A declared peak window (a festival night): expected traffic times `factor` from
+    start to end, ramping linearly over `ramp_min` at each edge (scheduler/peaks.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: datetime | time  # ISO datetime: once; "HH:MM" (UTC): every day
+    end: datetime | time  # a daily end at or before start ends the next day
+    factor: float = Field(gt=0)
+    ramp_min: float = Field(15.0, ge=0)
 
 
 class Lane(BaseModel):
@@ -29,6 +42,12 @@ class Lane(BaseModel):
     max_output_tokens: int = Field(256, gt=0)
     deadline_s: float = Field(60.0, gt=0)  # longest a job may take, queue wait included
     ttft_p99_objective_ms: float = Field(2000.0, gt=0)
+    min_workers: int = Field(1, ge=0)  # active workers the planner keeps at the least
+    max_workers: int = Field(8, ge=1)  # and at the most
+    peaks: list[PeakSpec] = Field(default_factory=list)
+    # System prompts run through a worker's engine when it is activated, so the lane's
+    # first real requests hit the prefix cache.
+    warm_prompts: list[str] = Field(default_factory=list)
 
 
 PRIORITY_MIN, PRIORITY_MAX = 0, 9

@@ -125,8 +125,13 @@ def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:
 
 
 def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path,
-                 pool: str | None = None) -> Proc:
+                 pool: str | None = None, standby: bool = False,
+                 cpus: str | None = None) -> Proc:
     argv = tidegate_argv("worker", "--lane", lane, "--name", name)
+    if cpus:
+        argv += ["--cpus", cpus]
     if pool:
         argv += ["--pool", pool]
+    if standby:
+        argv.append("--standby")
     return Proc(f"worker:{name}", argv, log_dir / f"worker-{name.split('@')[0]}.log", env)

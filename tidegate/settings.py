@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     # LoRA adapters a worker serves: "name=path,name2=path2" (a worker-side setting).
     lora_adapters: str = ""
 
+    scheduler_tick_s: float = Field(10.0, gt=0)  # period of the scheduler's beat
+    alloc_latency_threshold_ms: float = Field(200.0, gt=0)  # health: KV allocation latency
+
     flower_port: int = Field(5555, ge=1, le=65535)
     flower_user: str = "admin"
     flower_password: str = "tidegate"

@@ -29,14 +29,15 @@ from tidegate.lanes import pool_queue
 from tidegate.settings import Settings, get_settings
 from workers.engine import Engine, EngineConfig
 from workers.host import EngineHost
+from workers.lifecycle import LIFECYCLE
 from workers.publisher import EventPublisher
 from workers.runner import WorkerContext, run_job
 
 log = logging.getLogger("tidegate.worker")
 
 _ctx: WorkerContext | None = None
-_state = {"value": "starting"}
-_outcomes_lock = threading.Lock()  # starting -> active -> draining (standby: later issue)
+_outcomes_lock = threading.Lock()
+_in_flight = [0]  # generate tasks running now, under _outcomes_lock
 
 
 def context() -> WorkerContext:
@@ -48,10 +49,21 @@ def context() -> WorkerContext:
 @app.task(name=GENERATE, bind=True, acks_late=True)
 def generate(self: Any, body: dict[str, Any]) -> str:
     ctx = context()
-    outcome = run_job(ctx, body)
+    with _outcomes_lock:
+        _in_flight[0] += 1
+    try:
+        outcome = run_job(ctx, body)
+    finally:
+        with _outcomes_lock:
+            _in_flight[0] -= 1
     with _outcomes_lock:
         ctx.outcomes[outcome] = ctx.outcomes.get(outcome, 0) + 1
     return outcome
+
+
+def worker_state() -> str:
+    with _outcomes_lock:
+        return LIFECYCLE.state(_in_flight[0])
 
 
 ENGINES = ("vllm", "trtllm")
@@ -89,6 +101,8 @@ class EngineStep(bootsteps.StartStopStep):
         global _ctx
         settings = get_settings()
         name = worker.hostname
+        LIFECYCLE.worker = worker
+        LIFECYCLE.pool_queue = pool_queue(settings.lanes[self.lane], self.pool)
         client = redis.Redis.from_url(settings.redis_url)
         hb = Heartbeat(settings, name, self.lane, self.pool, client)
         hb.start()
@@ -137,7 +151,8 @@ class Heartbeat(threading.Thread):
     def payload(self) -> dict[str, Any]:
         profile = self.settings.lanes[self.lane]
         body: dict[str, Any] = {
-            "name": self.name, "state": _state["value"], "lanes": [self.lane],
+            "name": self.name, "state": worker_state(), "lanes": [self.lane],
+            "consuming": sorted(LIFECYCLE.consumed()),
             "pool": self.pool, "queues": worker_queues(self.settings, self.lane, self.pool,
                                                         self.name),
             "model": str(self.settings.model_path), "dtype": profile.dtype,
@@ -148,9 +163,16 @@ class Heartbeat(threading.Thread):
         if self.ctx is not None:
             stats = self.ctx.host.engine.stats()
             body["engine"] = self.ctx.host.engine.kind
-            body["stats"] = {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate}
+            body["stats"] = {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate,
+                             "avg_cache_allocation_latency_ms": _alloc_latency_ms(stats)}
             body["mean_job_ms"] = self.ctx.mean_job_ms
         return body
+
+
+def _alloc_latency_ms(stats: Any) -> float | None:
+    forced = LIFECYCLE.forced_alloc_latency_ms
+    return forced if forced is not None else getattr(stats, "avg_cache_allocation_latency_ms",
+                                                     None)
 
 
 class CancelListener(threading.Thread):
@@ -182,19 +204,20 @@ def tidegate_stats(state: Any) -> dict[str, Any]:
     stats = context().host.engine.stats()
     ctx = context()
     with _outcomes_lock:
-        outcomes = dict(ctx.outcomes)
-    return {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate, "state": _state["value"],
-            "outcomes": outcomes}
+        outcomes, in_flight = dict(ctx.outcomes), _in_flight[0]
+    return {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate, "state": worker_state(),
+            "outcomes": outcomes, "in_flight": in_flight,
+            "avg_cache_allocation_latency_ms": _alloc_latency_ms(stats)}
 
 
 @worker_ready.connect
 def _ready(**_: Any) -> None:
-    _state["value"] = "active"
+    LIFECYCLE.phase = "ready"
 
 
 @worker_shutting_down.connect
 def _draining(**_: Any) -> None:
-    _state["value"] = "draining"
+    LIFECYCLE.phase = "draining"
 
 
 def worker_queues(settings: Settings, lane: str, pool: str, name: str) -> list[str]:
@@ -202,7 +225,8 @@ def worker_queues(settings: Settings, lane: str, pool: str, name: str) -> list[s
 
 
 def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
-               loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm") -> None:
+               loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm",
+               standby: bool = False, cpus: str | None = None) -> None:
     settings = get_settings()
     if lane not in settings.lanes:
         raise SystemExit(f"tidegate worker: unknown lane {lane!r}; lanes: {sorted(settings.lanes)}")
@@ -214,6 +238,10 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
                          f"its pools: {settings.lanes[lane].pools}")
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu  # before the engine import sees CUDA
+    if cpus is not None:
+        # The CPU build's pinning: its engine binds its threads to these cores. Left to
+        # itself, every engine on a machine binds to the same first core.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     name = name or f"{lane}-{gpu or 'cpu'}-{os.getpid()}@{socket.gethostname()}"
     celery_app.steps["worker"].add(EngineStep)
     # Celery's own option parser learns `--tidegate-lane`; EngineStep receives it.
@@ -221,6 +249,8 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
         celery_app.user_options["worker"].add(
             click.Option((f"--tidegate-{option}",), default="", help=f"tidegate {option}"))
     queues = worker_queues(settings, lane, pool, name)
+    if standby:  # engine loaded and warmed, but only the direct queue until activated
+        queues = queues[1:]
     celery_app.worker_main([
         "worker", "-P", "threads", "-c", str(settings.engine_slots),
         "--prefetch-multiplier", "1", "-Q", ",".join(queues), "-n", name,

@@ -38,6 +38,7 @@ import logging
 import os
 import random
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -305,10 +306,16 @@ class TrtllmEngine:
             result.abort()
 
     async def warm(self, prompts: list[str]) -> None:
-        for i, prompt in enumerate(prompts):
-            req = EngineRequest(request_id=f"warm-{os.getpid()}-{i}", prompt=prompt, max_tokens=1)
+        for prompt in prompts:
+            req = EngineRequest(request_id=f"warm-{uuid.uuid4().hex}", prompt=prompt,
+                                max_tokens=1)
             async for _ in self.generate(req):
                 pass
+
+    async def reset_prefix_cache(self) -> bool:
+        """The LLM API has no call to drop reusable blocks; the health check then goes
+        on to a rolling restart."""
+        return False
 
     def stats(self) -> EngineStats:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -161,10 +162,14 @@ class VllmEngine:
         await self._llm.abort(request_id)
 
     async def warm(self, prompts: list[str]) -> None:
-        for i, prompt in enumerate(prompts):
-            req = EngineRequest(request_id=f"warm-{os.getpid()}-{i}", prompt=prompt, max_tokens=1)
+        for prompt in prompts:
+            req = EngineRequest(request_id=f"warm-{uuid.uuid4().hex}", prompt=prompt,
+                                max_tokens=1)
             async for _ in self.generate(req):
                 pass
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._llm.reset_prefix_cache())
 
     def stats(self) -> EngineStats:
         snap = self._recorder.snapshot()

@@ -1,0 +1,224 @@
+"""Lanes under overload: finance and chat traffic together, 4x more requests in flight than
+engine slots, on tidegate (one worker per lane) and on vLLM's own OpenAI server taking the
+same mix first come, first served.
+
+The claim (issue text): the finance lane's TTFT P99 on tidegate is at most 0.3x the peer's
+TTFT P99 for the same (finance) requests.
+
+- tidegate: private redis-server and SQLite, a `finance` worker (FP16 KV cache) and a
+  `chat` worker (FP8 KV cache), SLOTS_PER_WORKER engine slots each, the API.
+- peer: `python -m vllm.entrypoints.openai.api_server --max-num-seqs PEER_SEQS` (the same
+  slot count in all), default FCFS scheduling, FP16; it has no lanes.
+- load, identical for both: FINANCE + CHAT requests a round, in a fixed-seed shuffled
+  order with finance spread through it, launched evenly over PACE_S; a warm-up round,
+  then ROUNDS measured rounds, pooled. Timed on the client (see bench/stack.py).
+
+    .venv/bin/python bench/lanes.py
+
+Writes bench/results/lanes.{md,png,json}; the last stdout line is the JSON summary.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
+
+from bench.common import fmt, markdown_table, ratio  # noqa: E402
+from bench.stack import (  # noqa: E402
+    DTYPE,
+    LoadFn,
+    Measured,
+    RequestSpec,
+    Round,
+    measure_peer,
+    measure_tidegate,
+    phases_note,
+    publish,
+    run_benchmark,
+    run_load,
+    shared_notes,
+    shared_setup,
+    summarize,
+    tidegate_phases,
+    ttfts,
+)
+
+LANES = ("finance", "chat")
+FINANCE, CHAT = 8, 56  # requests a round: 64 in flight
+SLOTS_PER_WORKER = 8
+PEER_SEQS = 2 * SLOTS_PER_WORKER  # the same 16 sequence slots in all
+IN_FLIGHT = FINANCE + CHAT
+OVERLOAD = IN_FLIGHT / PEER_SEQS
+PACE_S = 0.5  # launch window of one round
+ROUNDS = 5  # 40 finance requests a system: a p99 that is not just the one slowest
+ORDER_SEED = 20261202  # the request order; sampling itself is unseeded (SEED_NOTE)
+CLAIM_MAX_RATIO = 0.3
+WORKERS = {lane: f"{lane}-lanes@tidegate" for lane in LANES}
+
+FINANCE_TOPICS = ["quarterly revenue", "unpaid invoices", "invoice disputes", "revenue by region",
+                  "overdue receivables", "credit notes", "deferred revenue", "invoice ageing"]
+CHAT_TOPICS = ["a late order", "an order to return", "a missing parcel", "changing an order",
+               "an order's delivery date", "a damaged item in an order", "cancelling an order"]
+
+
+def prompt(lane: str, round_no: int, i: int) -> str:
+    # Distinct per round so later rounds do not ride on whole-prompt prefix-cache hits from
+    # earlier ones; the same text goes to both systems.
+    if lane == "finance":
+        topic = FINANCE_TOPICS[i % len(FINANCE_TOPICS)]
+        return (f"Round {round_no}, finance {i}. From the ledger of account {1000 + i}, "
+                f"explain the {topic} in three short points for the controller.")
+    topic = CHAT_TOPICS[i % len(CHAT_TOPICS)]
+    return (f"Round {round_no}, chat {i}. A customer writes about {topic}, order number "
+            f"{50000 + i}. Answer them politely in two sentences.")
+
+
+def lane_order(round_no: int) -> list[str]:
+    """FINANCE blocks of IN_FLIGHT / FINANCE requests, one finance request at a seeded
+    random place in each: shuffled, yet never all finance at the head or the tail of the
+    queue, which would make the FCFS peer look much better or worse than it is."""
+    rng = random.Random(ORDER_SEED * 100 + round_no)
+    block = IN_FLIGHT // FINANCE
+    order: list[str] = []
+    for _ in range(FINANCE):
+        lanes = ["finance"] + ["chat"] * (block - 1)
+        rng.shuffle(lanes)
+        order += lanes
+    return order
+
+
+def plan(round_no: int) -> list[RequestSpec]:
+    """The same full mix for the warm-up (round 0) and each measured round."""
+    count = {lane: 0 for lane in LANES}
+    specs = []
+    for lane in lane_order(round_no):
+        specs.append(RequestSpec(prompt(lane, round_no, count[lane]), lane))
+        count[lane] += 1
+    return specs
+
+
+def load(name: str) -> LoadFn:
+    return lambda session: run_load(name, session, plan, ROUNDS, PACE_S)
+
+
+# ---------------------------------------------------------------- report
+
+
+def per_lane(rounds: list[Round], tidegate: bool) -> dict[str, dict[str, Any]]:
+    out = {}
+    for lane in (*LANES, None):
+        summary = summarize(rounds, lane)
+        if tidegate:
+            summary |= tidegate_phases(rounds, lane)
+        out[lane or "all"] = summary
+    return out
+
+
+METRICS = [("TTFT p50 (ms)", "ttft_p50_ms", 1), ("TTFT p99 (ms)", "ttft_p99_ms", 1),
+           ("TPOT p50 (ms)", "tpot_p50_ms", 2), ("tokens/s", "tokens_per_s", 0)]
+
+
+def row(system: str, lane: str, s: dict[str, Any]) -> list[str]:
+    return ([system, lane] + [fmt(s[key], d) for _, key, d in METRICS]
+            + [f"{s['errors']}/{s['requests']}"])
+
+
+def table(tide: dict[str, dict[str, Any]], peer: dict[str, dict[str, Any]]) -> str:
+    headers = ["system", "lane"] + [label for label, _, _ in METRICS] + ["errors"]
+    rows = []
+    for lane in (*LANES, "all"):
+        rows += [row("tidegate", lane, tide[lane]), row("vLLM server (FCFS)", lane, peer[lane])]
+        rows.append(["**ratio tidegate / vLLM**", lane]
+                    + [fmt(ratio(tide[lane][key], peer[lane][key]), 2) for _, key, _ in METRICS]
+                    + [""])
+    return markdown_table(headers, rows)
+
+
+def setup(m: Measured) -> dict[str, Any]:
+    return {"tidegate": f"1 `finance` worker ({DTYPE}, FP16 KV cache) + 1 `chat` worker "
+                        f"({DTYPE}, FP8 KV cache), {SLOTS_PER_WORKER} engine slots each, API, "
+                        "private redis-server and SQLite file",
+            "vLLM server": f"--dtype {DTYPE} (FP16 KV cache for every request), --max-num-seqs "
+                           f"{PEER_SEQS}, default (FCFS) scheduling, --enforce-eager",
+            "requests in flight a round": f"{IN_FLIGHT} ({FINANCE} finance + {CHAT} chat) for "
+                                          f"{PEER_SEQS} slots = {OVERLOAD:.0f}x overload",
+            "launch": f"one round's requests launched evenly over {PACE_S} s, order seed "
+                      f"{ORDER_SEED}, one finance request at a random place in each block of "
+                      f"{IN_FLIGHT // FINANCE}",
+            "warm-up": "1 round of the same mix, not measured", "measured rounds": ROUNDS,
+            **shared_setup(m)}
+
+
+NOTES = [
+    "Precision cannot be matched for chat: one vLLM server has one KV cache dtype, so the "
+    "peer serves chat with an FP16 KV cache where tidegate's chat lane uses FP8. Finance "
+    "(FP16 weights and KV cache) is like for like.",
+    "tidegate has two engines (one per lane) with 8 slots and a 1 GiB KV cache each; the peer "
+    "one engine with 16 slots and 1 GiB. The KV cache does not bind here (64 requests of "
+    "under 100 tokens). All engines, the API, Redis and the load client share the same cores.",
+    f"Latency percentiles pool all measured requests of a lane ({ROUNDS * FINANCE} finance, "
+    f"{ROUNDS * CHAT} chat per system); with {ROUNDS * FINANCE} finance samples the p99 is "
+    "interpolated between the two slowest. Errored requests are counted, not timed.",
+    "tokens/s of a lane: that lane's tokens / the round's wall time.",
+]
+
+
+def verdict(finance_ratio: float) -> str:
+    holds = finance_ratio <= CLAIM_MAX_RATIO
+    return (f"Claim (finance TTFT p99 on tidegate <= {CLAIM_MAX_RATIO}x the peer's for the same "
+            f"requests): {'HOLDS' if holds else 'DOES NOT HOLD'}, ratio {fmt(finance_ratio, 2)}.")
+
+
+def figures(tide: dict[str, Any], peer: dict[str, Any], setup_: dict[str, Any],
+            wall_s: float) -> dict[str, Any]:
+    ratios = {f"{lane}_{key.removesuffix('_ms')}_ratio": ratio(tide[lane][key], peer[lane][key])
+              for lane in (*LANES, "all") for _, key, _ in METRICS}
+    finance = ratios["finance_ttft_p99_ratio"]
+    return {"benchmark": "lanes", "finance_ttft_p99_ratio": finance,
+            "claim_max_ratio": CLAIM_MAX_RATIO, "claim_holds": finance <= CLAIM_MAX_RATIO,
+            **ratios, "tidegate": tide, "vllm_server": peer, "setup": setup_,
+            "wall_s": round(wall_s, 1)}
+
+
+# Colour by system, line by lane: the finance pair is the claim, drawn solid.
+STYLES: dict[str, dict[str, Any]] = {
+    "tidegate finance": {"color": "tab:blue"}, "vLLM finance": {"color": "tab:orange"},
+    "tidegate chat": {"color": "tab:blue", "linestyle": "--", "alpha": 0.7},
+    "vLLM chat": {"color": "tab:orange", "linestyle": "--", "alpha": 0.7}}
+
+
+def report(m: Measured) -> dict[str, Any]:
+    tide, peer = per_lane(m.tide, True), per_lane(m.peer, False)
+    setup_ = setup(m)
+    out = figures(tide, peer, setup_, m.wall_s)
+    notes = [verdict(out["finance_ttft_p99_ratio"]), *NOTES, *shared_notes(m),
+             *(phases_note(tide[lane], f"tidegate {lane}") for lane in LANES)]
+    series = {f"{who} {lane}": ttfts(rounds, lane) for lane in LANES
+              for who, rounds in (("tidegate", m.tide), ("vLLM", m.peer))}
+    publish("lanes", "Lanes under 4x overload: tidegate vs vLLM's OpenAI server (FCFS)",
+            table(tide, peer), setup_, notes, series,
+            f"TTFT, {FINANCE} finance + {CHAT} chat in flight for {PEER_SEQS} slots, {ROUNDS} "
+            f"rounds pooled ({setup_['machine cores']} cores)", out,
+            histogram=False, styles=STYLES)
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> int:
+    return run_benchmark(
+        "lanes",
+        lambda tmp: measure_tidegate(tmp, WORKERS, SLOTS_PER_WORKER, load("tidegate")),
+        lambda tmp: measure_peer(tmp, PEER_SEQS, IN_FLIGHT * 2, load("vLLM server")),
+        report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

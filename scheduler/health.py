@@ -1,0 +1,76 @@
+"""Health: a worker whose cache allocation latency stays above its threshold gets the
+cheap fix first (reset the prefix cache); if that does not help, a rolling restart:
+drain, restart the engine, warm, reactivate. One worker at a time, and never when that
+would leave its lane below its minimum of active workers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from celery import Celery
+
+from scheduler import control
+from tidegate import keys
+from tidegate.fleet import read_fleet
+from tidegate.settings import Settings
+
+STRIKES_TO_ACT = 2  # consecutive checks over the threshold before acting
+RESTART_TIMEOUT_S = 300
+
+
+def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
+    fleet = read_fleet(client, settings.namespace)
+    actions: list[dict[str, Any]] = []
+    for hb in fleet:
+        latency = (hb.get("stats") or {}).get("avg_cache_allocation_latency_ms")
+        if hb.get("state") != "active" or latency is None:
+            continue
+        strikes_key = keys.health_strikes(settings.namespace, hb["name"])
+        if latency <= settings.alloc_latency_threshold_ms:
+            client.delete(strikes_key)
+            continue
+        strikes = int(client.hincrby(strikes_key, "strikes", 1))
+        client.expire(strikes_key, 600)
+        if strikes >= STRIKES_TO_ACT:
+            actions.append(_act(app, client, settings, hb, fleet, latency))
+    return actions
+
+
+def _act(app: Celery, client: Any, settings: Settings, hb: dict[str, Any],
+         fleet: list[dict[str, Any]], latency: float) -> dict[str, Any]:
+    name = hb["name"]
+    strikes_key = keys.health_strikes(settings.namespace, name)
+    base = {"worker": name, "alloc_latency_ms": latency}
+    if not client.hget(strikes_key, "reset"):
+        client.hset(strikes_key, "reset", "1")
+        app.control.broadcast("tidegate_reset_prefix_cache", destination=[name], reply=True,
+                              timeout=control.CONTROL_TIMEOUT_S)
+        return {**base, "action": "reset_prefix_cache"}
+    lane = hb["lanes"][0]
+    others = [w for w in fleet if w["name"] != name and w.get("state") == "active"
+              and lane in w.get("lanes", [])]
+    if len(others) < getattr(settings.lanes[lane], "min_workers", 1):
+        return {**base, "action": "restart_deferred",
+                "reason": f"lane {lane} would drop below its minimum of active workers"}
+    lock = keys.scheduler_lock(settings.namespace, "restart", 0)
+    if not client.set(lock, name, nx=True, ex=RESTART_TIMEOUT_S):
+        return {**base, "action": "restart_deferred", "reason": "another restart is running"}
+    try:
+        return {**base, **rolling_restart(app, client, settings, hb)}
+    finally:
+        client.delete(lock)
+        client.delete(strikes_key)
+
+
+def rolling_restart(app: Celery, client: Any, settings: Settings,
+                    hb: dict[str, Any]) -> dict[str, Any]:
+    name, lane, pool = hb["name"], hb["lanes"][0], hb["pool"]
+    drained = control.deactivate(app, client, settings, name, lane, pool)
+    app.control.broadcast("tidegate_restart_engine", destination=[name], reply=True,
+                          timeout=RESTART_TIMEOUT_S)
+    warm = settings.lanes[lane].warm_prompts
+    active = control.activate(app, client, settings, name, lane, pool, warm_prompts=warm)
+    return {"action": "rolling_restart", "drained": drained, "reactivated": active,
+            "steps": json.dumps(["drain", "restart_engine", "warm", "activate"])}

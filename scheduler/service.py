@@ -1,0 +1,91 @@
+"""The scheduler process: Celery beat plus the periodic tasks it drives.
+
+`tidegate scheduler` runs a small Celery worker with an embedded beat, consuming only the
+scheduler's own queue. Each periodic task takes a Redis lock for its period first, so a
+second scheduler (two beats) sends the same ticks but only one of them acts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from scheduler import autoscale, control, health
+from store import Store
+from tasks.app import make_app
+from tidegate import keys
+from tidegate.settings import Settings, get_settings
+
+log = logging.getLogger("tidegate.scheduler")
+
+TICK = "tidegate.scheduler.tick"
+
+
+def scheduler_queue(settings: Settings) -> str:
+    return f"{settings.namespace}.scheduler"
+
+
+def take_period(client: Any, namespace: str, name: str, period_s: float) -> int | None:
+    """The current period's number if this process is the one to act in it, else None."""
+    period = int(time.time() // period_s)
+    key = keys.scheduler_lock(namespace, name, period)
+    if client.set(key, "1", nx=True, px=int(period_s * 2000)):
+        return period
+    return None
+
+
+def record_action(client: Any, namespace: str, action: dict[str, Any]) -> None:
+    """Every action the scheduler takes, for `tidegate status`, Flower and the tests."""
+    body = {"ts": time.time(), **action}
+    log.info("scheduler action: %s", json.dumps(body))
+    client.xadd(keys.scheduler_actions(namespace), {"a": json.dumps(body)}, maxlen=10_000,
+                approximate=True)
+
+
+def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+    """One scheduler period: sample traffic, re-apply desired states, pre-warm ahead of
+    the forecast, watch health. The returned actions show in Flower as the task result."""
+    period = take_period(client, settings.namespace, "tick", settings.scheduler_tick_s)
+    if period is None:  # another beat's tick holds this period
+        client.incr(keys.scheduler_lock(settings.namespace, "skipped", 0))
+        return {"acted": False}
+    record_action(client, settings.namespace, {"action": "tick", "period": period})
+    actions: list[dict[str, Any]] = []
+    arrivals = autoscale.flush_arrivals(client, store, settings)
+    actions += [{"action": "reconcile", "detail": note}
+                for note in control.reconcile(app, client, settings)]
+    actions += autoscale.autoscale(app, client, store, settings)
+    actions += health.check(app, client, settings)
+    for action in actions:
+        record_action(client, settings.namespace, action)
+    return {"acted": True, "period": period, "arrivals_sampled": arrivals, "actions": actions}
+
+
+def make_scheduler_app(settings: Settings) -> Celery:
+    app = make_app(settings)
+    app.conf.beat_schedule = {
+        "tick": {"task": TICK, "schedule": settings.scheduler_tick_s,
+                 "options": {"queue": scheduler_queue(settings)}},
+    }
+    client = redis.Redis.from_url(settings.redis_url)
+    store = Store(settings.db_url)
+
+    @app.task(name=TICK, ignore_result=True, acks_late=False)
+    def _tick() -> dict[str, Any]:
+        return tick(app, client, store, settings)
+
+    return app
+
+
+def run_scheduler(loglevel: str = "INFO") -> None:
+    settings = get_settings()
+    app = make_scheduler_app(settings)
+    app.worker_main(["worker", "-B", "-P", "threads", "-c", "2", "-Q",
+                     scheduler_queue(settings), "-n", f"scheduler-{int(time.time())}@%h",
+                     "--loglevel", loglevel, "--without-gossip", "--without-mingle",
+                     "-s", str(settings.data_dir / f"beat-schedule-{time.time_ns()}")])

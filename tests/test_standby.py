@@ -1,0 +1,218 @@
+"""Standby pool on real workers (lane `standby`, pool `vllm`): `a` starts active, `b` starts
+in standby with its engine loaded. The scheduler steers them with Celery control commands.
+
+The tests run in file order and share the two workers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from api.client import Client
+from scheduler import autoscale, control, health
+from tasks.app import make_app
+from tests.stack import Stack
+from tidegate import keys
+from tidegate.procs import Proc, start_worker, tidegate_argv, wait_until
+from tidegate.settings import get_settings
+
+LANE, QUEUE = "standby", "standby.vllm"
+PROMPT = "Where is my parcel?"
+
+
+@dataclass
+class Pair:
+    a: str
+    b: str
+    logs: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def start(self, which: str, standby: bool) -> None:
+        name = self.a if which == "a" else self.b
+        self.procs[which] = start_worker(dict(os.environ), LANE, name, self.logs,
+                                         standby=standby)
+
+
+def heartbeat(stack: Stack, name: str) -> dict | None:
+    raw = stack.redis.get(keys.worker_heartbeat(stack.namespace, name))
+    return json.loads(raw) if raw else None
+
+
+def state_of(stack: Stack, name: str) -> str | None:
+    hb = heartbeat(stack, name)
+    return hb["state"] if hb else None
+
+
+@pytest.fixture(scope="module")
+def pair(stack: Stack, tmp_root: Path) -> Iterator[Pair]:
+    p = Pair("standby-a@tidegate", "standby-b@tidegate", tmp_root / "logs")
+    _, key = stack.store.create_tenant("standby-tenant", [LANE])
+    p.key = key  # type: ignore[attr-defined]
+    try:
+        p.start("a", standby=False)
+        p.start("b", standby=True)
+        wait_until(lambda: state_of(stack, p.a) == "active" and state_of(stack, p.b) == "standby",
+                   240, "worker a active and worker b in standby", list(p.procs.values()),
+                   poll_s=0.5)
+        yield p
+    finally:
+        for proc in p.procs.values():
+            proc.stop()
+
+
+def run(stack: Stack, key: str, n: int = 1, **options: object) -> list[dict]:
+    with Client(stack.base_url, key) as client:
+        ids = [client.submit(LANE, prompt=PROMPT, **{"max_tokens": 4, **options})["job_id"]
+               for _ in range(n)]
+        for job_id in ids:
+            assert list(client.stream(job_id))[-1].kind == "done"
+        return [client.job(job_id) for job_id in ids]
+
+
+def test_a_standby_worker_takes_no_lane_job_until_activated(stack: Stack, pair: Pair) -> None:
+    app, settings = make_app(get_settings()), get_settings()
+    jobs = run(stack, pair.key, n=6)  # type: ignore[attr-defined]
+    assert {j["worker"] for j in jobs} == {pair.a}
+    assert not control.consumes(app, pair.b, QUEUE)
+
+    assert control.activate(app, stack.redis, settings, pair.b, LANE, "vllm",
+                            warm_prompts=settings.lanes[LANE].warm_prompts)
+    wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b to report active")
+    # With a returned to standby, only the activated worker can take the lane's jobs.
+    assert control.deactivate(app, stack.redis, settings, pair.a, LANE, "vllm")
+    wait_until(lambda: state_of(stack, pair.a) == "standby", 10, "a to report standby")
+    jobs = run(stack, pair.key, n=4)  # type: ignore[attr-defined]
+    assert {j["worker"] for j in jobs} == {pair.b}
+
+
+def test_activation_survives_a_worker_restart(stack: Stack, pair: Pair) -> None:
+    app, settings = make_app(get_settings()), get_settings()
+    pair.procs["b"].stop()
+    pair.start("b", standby=True)  # comes back consuming its direct queue only
+    wait_until(lambda: (heartbeat(stack, pair.b) or {}).get("pid") == _pid(pair, "b")
+               and state_of(stack, pair.b) == "standby", 240, "b to come back in standby",
+               [pair.procs["b"]], poll_s=0.5)
+    actions = control.reconcile(app, stack.redis, settings)
+    assert actions == [f"re-activated {pair.b} on {QUEUE}"]
+    assert control.consumes(app, pair.b, QUEUE)
+    wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b to report active again")
+    jobs = run(stack, pair.key, n=2)  # type: ignore[attr-defined]
+    assert {j["worker"] for j in jobs} == {pair.b}
+
+
+def _pid(pair: Pair, which: str) -> int:
+    return pair.procs[which].popen.pid
+
+
+def test_draining_finishes_every_in_flight_job(stack: Stack, pair: Pair) -> None:
+    app, settings = make_app(get_settings()), get_settings()
+    with Client(stack.base_url, pair.key) as client:  # type: ignore[attr-defined]
+        ids = [client.submit(LANE, prompt=PROMPT, max_tokens=1200)["job_id"] for _ in range(3)]
+        wait_until(lambda: all(client.job(j)["status"] == "running" for j in ids), 30,
+                   "the long jobs to start on b")
+        assert control.deactivate(app, stack.redis, settings, pair.b, LANE, "vllm")
+        # deactivate returned: the worker stopped consuming and has nothing in flight.
+        rows = [client.job(j) for j in ids]
+        events = [list(client.stream(j)) for j in ids]
+    assert all(r["status"] == "done" and r["completion_tokens"] == 1200 for r in rows)
+    for evs in events:
+        assert [e.seq for e in evs] == list(range(len(evs)))
+        assert sum(len(e.token_ids) for e in evs) == 1200
+    assert not control.consumes(app, pair.b, QUEUE)
+
+
+def test_the_scheduler_prewarms_a_standby_worker_ahead_of_forecast_traffic(
+        stack: Stack, pair: Pair) -> None:
+    app, settings = make_app(get_settings()), get_settings()
+    assert control.activate(app, stack.redis, settings, pair.a, LANE, "vllm")
+    wait_until(lambda: state_of(stack, pair.a) == "active", 10, "a to report active")
+    assert state_of(stack, pair.b) == "standby"  # since the drain
+    system = {"role": "system", "content": "You are the parcel desk of the shop."}
+    with Client(stack.base_url, pair.key) as client:  # type: ignore[attr-defined]
+        job = client.submit(LANE, messages=[system, {"role": "user", "content": PROMPT}],
+                            max_tokens=4)
+        assert list(client.stream(job["job_id"]))[-1].kind == "done"
+    hot = autoscale.hot_prefixes(stack.redis, settings, LANE)
+    assert any(system["content"] in p for p in hot)  # recorded by the API, rendered
+
+    now = datetime.now(UTC)
+    assert autoscale.autoscale(app, stack.redis, stack.store, settings, now=now) == []
+    # Yesterday, this lane's traffic was far beyond one worker from about now on.
+    for minute in range(-30, 45):
+        at = now - timedelta(days=1) + timedelta(minutes=minute)
+        stack.store.record_arrivals(LANE, at, 120_000)
+    actions = autoscale.autoscale(app, stack.redis, stack.store, settings, now=now)
+    assert [(a["action"], a["worker"], a["verified"]) for a in actions] == [
+        ("activate", pair.b, True)]
+    assert actions[0]["want_active"] >= 2 and actions[0]["forecast_rps"] > 100
+    wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b to report active")
+
+
+def test_high_allocation_latency_restarts_one_worker_while_the_other_serves(
+        stack: Stack, pair: Pair) -> None:
+    app, settings = make_app(get_settings()), get_settings()
+    assert control.activate(app, stack.redis, settings, pair.a, LANE, "vllm")
+    assert control.activate(app, stack.redis, settings, pair.b, LANE, "vllm")
+    wait_until(lambda: state_of(stack, pair.b) == "active" == state_of(stack, pair.a), 10,
+               "both workers active")
+    app.control.broadcast("tidegate_fault", arguments={"alloc_latency_ms": 900.0},
+                          destination=[pair.b], reply=True, timeout=5)
+    wait_until(lambda: (heartbeat(stack, pair.b) or {}).get("stats", {}).get(
+        "avg_cache_allocation_latency_ms") == 900.0, 10, "b to report the forced latency")
+
+    served: list[dict] = []
+    stop = threading.Event()
+
+    def keep_serving() -> None:
+        while not stop.is_set():
+            served.extend(run(stack, pair.key, n=1))  # type: ignore[attr-defined]
+
+    load = threading.Thread(target=keep_serving)
+    load.start()
+    try:
+        actions = [a for _ in range(4) for a in health.check(app, stack.redis, settings)]
+    finally:
+        stop.set()
+        load.join(timeout=120)
+    kinds = [a["action"] for a in actions if a["worker"] == pair.b]
+    assert kinds == ["reset_prefix_cache", "rolling_restart"]
+    restart = next(a for a in actions if a["action"] == "rolling_restart")
+    assert restart["drained"] and restart["reactivated"]
+    assert not [a for a in actions if a["worker"] == pair.a]
+    assert served and all(j["status"] == "done" for j in served)
+    assert pair.a in {j["worker"] for j in served}
+    hb = heartbeat(stack, pair.b)
+    assert hb is not None and hb["state"] == "active"
+    assert hb["stats"]["avg_cache_allocation_latency_ms"] is None  # a fresh engine
+
+
+def test_two_beats_running_together_act_once_per_period(stack: Stack, pair: Pair,
+                                                        tmp_root: Path) -> None:
+    env = {**os.environ, "TIDEGATE_SCHEDULER_TICK_S": "1"}
+    beats = [Proc(f"scheduler-{i}", tidegate_argv("scheduler"), tmp_root / "logs" /
+                  f"scheduler-{i}.log", env) for i in range(2)]
+    stream = keys.scheduler_actions(stack.namespace)
+    try:
+        def ticks() -> list[dict]:
+            entries = stack.redis.xrange(stream)
+            return [json.loads(f[b"a"]) for _, f in entries
+                    if json.loads(f[b"a"])["action"] == "tick"]
+
+        def both_beats_sent() -> bool:
+            skipped = stack.redis.get(keys.scheduler_lock(stack.namespace, "skipped", 0))
+            return len(ticks()) >= 5 and int(skipped or 0) >= 3
+
+        wait_until(both_beats_sent, 90, "five ticks acted on and three skipped", beats)
+    finally:
+        for proc in beats:
+            proc.stop()
+    periods = [t["period"] for t in ticks()]
+    assert len(periods) == len(set(periods))  # one acting tick per period, never two
