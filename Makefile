@@ -40,6 +40,9 @@ lint: venv
 
 bench: venv model
 	$(PY) bench/e2e.py
+	$(PY) bench/lanes.py
+	$(PY) bench/coldstart.py
+	$(PY) bench/peak.py
 
 clean:
 	rm -rf $(VENV) data

@@ -166,6 +166,17 @@ NOTES = [
     f"{ROUNDS * CHAT} chat per system); with {ROUNDS * FINANCE} finance samples the p99 is "
     "interpolated between the two slowest. Errored requests are counted, not timed.",
     "tokens/s of a lane: that lane's tokens / the round's wall time.",
+    "vLLM's CPU backend binds an engine's OpenMP threads to core 0 by default and keeps core "
+    "1 for everything else (see 'engine OpenMP cores'): tidegate's two engines time-share "
+    "core 0 where the peer's one engine has it alone, so both systems get the same engine "
+    "compute. Two diagnostic runs (2026-12-02, not this table; both overlapped by other "
+    "test suites) bound tidegate's finance engine to core 0 and its chat engine to core 1: "
+    "the finance worker's own TTFT p99 fell to 0.4-0.7 s, yet the client-side finance TTFT "
+    "p99 stayed at 3.8-5.0 s (ratio 2.8-3.5): the API's submit (p99 about 3 s) and SSE "
+    "delivery, shared by both lanes and first come first served, dominate it.",
+    "A tidegate TPOT near 0 means the job had finished before its SSE stream delivered the "
+    "first token, so all its tokens arrived at once: that client-side TPOT says nothing about "
+    "the engine.",
 ]
 
 

@@ -7,6 +7,7 @@ would leave its lane below its minimum of active workers.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from celery import Celery
@@ -64,13 +65,28 @@ def _act(app: Celery, client: Any, settings: Settings, hb: dict[str, Any],
         client.delete(strikes_key)
 
 
+def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str | None) -> bool:
+    """Until the worker heartbeats from a new process with its engine loaded."""
+    end = time.monotonic() + RESTART_TIMEOUT_S
+    while time.monotonic() < end:
+        raw = client.get(keys.worker_heartbeat(settings.namespace, name))
+        hb = json.loads(raw) if raw else {}
+        if hb.get("boot") not in (None, old_boot) and hb.get("state") == "standby":
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def rolling_restart(app: Celery, client: Any, settings: Settings,
                     hb: dict[str, Any]) -> dict[str, Any]:
     name, lane, pool = hb["name"], hb["lanes"][0], hb["pool"]
     drained = control.deactivate(app, client, settings, name, lane, pool)
     app.control.broadcast("tidegate_restart_engine", destination=[name], reply=True,
-                          timeout=RESTART_TIMEOUT_S)
+                          timeout=control.CONTROL_TIMEOUT_S)
+    restarted = _wait_restarted(client, settings, name, hb.get("boot"))
     warm = settings.lanes[lane].warm_prompts
-    active = control.activate(app, client, settings, name, lane, pool, warm_prompts=warm)
-    return {"action": "rolling_restart", "drained": drained, "reactivated": active,
+    active = restarted and control.activate(app, client, settings, name, lane, pool,
+                                            warm_prompts=warm)
+    return {"action": "rolling_restart", "drained": drained, "restarted": restarted,
+            "reactivated": active,
             "steps": json.dumps(["drain", "restart_engine", "warm", "activate"])}

@@ -57,6 +57,10 @@ def _tenant(args: argparse.Namespace) -> None:
 
 
 def _worker(args: argparse.Namespace) -> None:
+    if not args.supervised:
+        from tidegate.supervise import supervise
+
+        sys.exit(supervise(sys.argv[1:]))
     from tasks.app import app
     from workers.service import run_worker
 
@@ -114,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--loglevel", default="INFO")
     w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm"])
     w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
+    w.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--standby", action="store_true",
                    help="load and warm the engine, but take no lane job until activated")
     w.set_defaults(func=_worker)

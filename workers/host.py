@@ -62,12 +62,6 @@ class EngineHost:
     def reset_prefix_cache(self) -> bool:
         return bool(self._call(self.engine.reset_prefix_cache()).result())
 
-    def restart(self) -> None:
-        """A fresh engine of the same configuration; the caller drained the worker."""
-        self._call(self.engine.shutdown()).result(timeout=60)
-        self.engine = type(self.engine)(self.engine.config)  # type: ignore[call-arg]
-        self._call(self.engine.start()).result()
-
     def running_ids(self) -> list[str]:
         return list(self._tasks)
 

@@ -10,12 +10,15 @@ alone. Only `starting` and `restarting` are set here, around engine loads.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from celery.worker.control import control_command
+
+from tidegate.supervise import RESTART_EXIT
 
 log = logging.getLogger("tidegate.worker")
 
@@ -91,16 +94,25 @@ def tidegate_reset_prefix_cache(state: Any) -> dict[str, Any]:
 
 @control_command()
 def tidegate_restart_engine(state: Any) -> dict[str, Any]:
-    """Reloads the engine in place (the scheduler drains the worker first)."""
-    started = time.monotonic()
-    with LIFECYCLE.lock:
-        LIFECYCLE.phase = "restarting"
-        try:
-            _host().restart()
-        finally:
-            LIFECYCLE.phase = "ready"
-            LIFECYCLE.forced_alloc_latency_ms = None
-    return {"ok": True, "ms": (time.monotonic() - started) * 1000}
+    """Restarts the worker with a fresh engine; the scheduler drains it first.
+
+    The worker process exits with RESTART_EXIT and its supervisor (`tidegate worker`)
+    starts a fresh one in standby. A second engine inside the same process, or in the same
+    pid after exec, hung here while its engine core started; a new process does not.
+    """
+    LIFECYCLE.phase = "restarting"
+    threading.Thread(target=_exit_for_restart, name="restart", daemon=True).start()
+    return {"ok": True, "restarting": True}
+
+
+def _exit_for_restart() -> None:
+    time.sleep(0.5)  # let the control reply reach the scheduler
+    try:
+        _host().stop()  # the engine core is a child process: stop it first
+    except Exception:
+        log.exception("engine shutdown before restart failed; restarting anyway")
+    log.warning("worker process exits to be restarted by its supervisor")
+    os._exit(RESTART_EXIT)
 
 
 @control_command(args=[("alloc_latency_ms", float)], signature="<alloc_latency_ms>")

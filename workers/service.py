@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from typing import Any
 
 import click
@@ -36,6 +37,7 @@ from workers.runner import WorkerContext, run_job
 log = logging.getLogger("tidegate.worker")
 
 _ctx: WorkerContext | None = None
+BOOT_ID = uuid.uuid4().hex  # tells a restarted process (same pid after exec) from the old
 _outcomes_lock = threading.Lock()
 _in_flight = [0]  # generate tasks running now, under _outcomes_lock
 
@@ -158,7 +160,8 @@ class Heartbeat(threading.Thread):
             "model": str(self.settings.model_path), "dtype": profile.dtype,
             "kv_cache_dtype": profile.kv_cache_dtype, "slots": self.settings.engine_slots,
             "lora": [name for name, _ in self.settings.lora],
-            "pid": os.getpid(), "host": socket.gethostname(), "ts": time.time(),
+            "pid": os.getpid(), "boot": BOOT_ID, "host": socket.gethostname(),
+            "ts": time.time(),
         }
         if self.ctx is not None:
             stats = self.ctx.host.engine.stats()
