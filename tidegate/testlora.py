@@ -34,12 +34,13 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from tidegate import testmodel
 from tidegate.testmodel import BUILD_FILE
 
 LORA_BUILD_VERSION = 1  # bump when the construction changes, so cached builds are redone
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-OUTPUT_FILES = [CONFIG_FILE, WEIGHTS_FILE, BUILD_FILE]
+OUTPUT_FILES = (CONFIG_FILE, WEIGHTS_FILE, BUILD_FILE)
 PREFIX = "base_model.model."
 
 # Module -> (block, reads the residual stream). Writers are o_proj and down_proj.
@@ -135,30 +136,11 @@ def lora_fingerprint(base_dir: Path, base_config: dict, base_name: str) -> str:
 
 
 def is_built(out_dir: Path, fingerprint: str) -> bool:
-    if not all((out_dir / name).is_file() for name in OUTPUT_FILES):
-        return False
-    try:
-        record = json.loads((out_dir / BUILD_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return record.get("fingerprint") == fingerprint
+    return testmodel.is_built(out_dir, fingerprint, OUTPUT_FILES)
 
 
 def install(tmp: Path, out_dir: Path, fingerprint: str) -> None:
-    """Swap the finished build in; readers never see a half-written adapter."""
-    old = None
-    if out_dir.exists():
-        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-        shutil.rmtree(old, ignore_errors=True)
-        out_dir.rename(old)
-    try:
-        tmp.rename(out_dir)
-    except OSError:
-        # A concurrent builder got there first; its build is as good as ours.
-        if not is_built(out_dir, fingerprint):
-            raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    testmodel.install(tmp, out_dir, fingerprint, OUTPUT_FILES)
 
 
 def write_adapter(out: Path, base_config: dict, base_name: str, fingerprint: str) -> None:

@@ -86,7 +86,7 @@ class Params:
 
 PARAMS = Params()
 
-OUTPUT_FILES = [
+OUTPUT_FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
@@ -94,7 +94,7 @@ OUTPUT_FILES = [
     "tokenizer.json",
     "tokenizer_config.json",
     BUILD_FILE,
-]
+)
 
 
 def build_test_model(out_dir: Path, force: bool = False) -> Path:
@@ -151,8 +151,8 @@ def build_fingerprint(lines: list[str]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def is_built(out_dir: Path, fingerprint: str) -> bool:
-    if not all((out_dir / name).is_file() for name in OUTPUT_FILES):
+def is_built(out_dir: Path, fingerprint: str, files: tuple[str, ...] = OUTPUT_FILES) -> bool:
+    if not all((out_dir / name).is_file() for name in files):
         return False
     try:
         record = json.loads((out_dir / BUILD_FILE).read_text(encoding="utf-8"))
@@ -161,8 +161,9 @@ def is_built(out_dir: Path, fingerprint: str) -> bool:
     return record.get("fingerprint") == fingerprint
 
 
-def install(tmp: Path, out_dir: Path, fingerprint: str) -> None:
-    """Swap the finished build in; readers never see a half-written checkpoint."""
+def install(tmp: Path, out_dir: Path, fingerprint: str,
+            files: tuple[str, ...] = OUTPUT_FILES) -> None:
+    """Swap the finished build in; readers never see a half-written build."""
     old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
@@ -172,7 +173,7 @@ def install(tmp: Path, out_dir: Path, fingerprint: str) -> None:
         tmp.rename(out_dir)
     except OSError:
         # A concurrent builder got there first; its build is as good as ours.
-        if not is_built(out_dir, fingerprint):
+        if not is_built(out_dir, fingerprint, files):
             raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -70,6 +70,17 @@ class EngineStats:
         return self.prefix_hits_tokens / queries if queries else 0.0
 
 
+async def warm_prompts(engine: Engine, prompts: list[str]) -> None:
+    """One token for each prompt: enough to leave its prefix in the engine's KV cache."""
+    import uuid
+
+    for prompt in prompts:
+        request = EngineRequest(request_id=f"warm-{uuid.uuid4().hex}", prompt=prompt,
+                                max_tokens=1)
+        async for _ in engine.generate(request):
+            pass
+
+
 class EngineError(RuntimeError):
     """The engine refused or failed a request; the message is safe to show the client."""
 

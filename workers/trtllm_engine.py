@@ -38,12 +38,18 @@ import logging
 import os
 import random
 import threading
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workers.engine import Delta, EngineConfig, EngineError, EngineRequest, EngineStats
+from workers.engine import (
+    Delta,
+    EngineConfig,
+    EngineError,
+    EngineRequest,
+    EngineStats,
+    warm_prompts,
+)
 
 if TYPE_CHECKING:
     from tensorrt_llm.llmapi import KvCacheRetentionConfig
@@ -306,11 +312,7 @@ class TrtllmEngine:
             result.abort()
 
     async def warm(self, prompts: list[str]) -> None:
-        for prompt in prompts:
-            req = EngineRequest(request_id=f"warm-{uuid.uuid4().hex}", prompt=prompt,
-                                max_tokens=1)
-            async for _ in self.generate(req):
-                pass
+        await warm_prompts(self, prompts)
 
     async def reset_prefix_cache(self) -> bool:
         """The LLM API has no call to drop reusable blocks; the health check then goes

@@ -9,12 +9,18 @@ from __future__ import annotations
 import json
 import os
 import threading
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from workers.engine import Delta, EngineConfig, EngineError, EngineRequest, EngineStats
+from workers.engine import (
+    Delta,
+    EngineConfig,
+    EngineError,
+    EngineRequest,
+    EngineStats,
+    warm_prompts,
+)
 
 
 class _StatsRecorder:
@@ -162,11 +168,7 @@ class VllmEngine:
         await self._llm.abort(request_id)
 
     async def warm(self, prompts: list[str]) -> None:
-        for prompt in prompts:
-            req = EngineRequest(request_id=f"warm-{uuid.uuid4().hex}", prompt=prompt,
-                                max_tokens=1)
-            async for _ in self.generate(req):
-                pass
+        await warm_prompts(self, prompts)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._llm.reset_prefix_cache())
