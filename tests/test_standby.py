@@ -112,17 +112,17 @@ def test_activation_survives_a_worker_restart(stack: Stack, pair: Pair) -> None:
 def test_draining_finishes_every_in_flight_job(stack: Stack, pair: Pair) -> None:
     app, settings = make_app(get_settings()), get_settings()
     with Client(stack.base_url, pair.key) as client:  # type: ignore[attr-defined]
-        ids = [client.submit(LANE, prompt=PROMPT, max_tokens=1200)["job_id"] for _ in range(3)]
-        wait_until(lambda: all(client.job(j)["status"] == "running" for j in ids), 30,
+        ids = [client.submit(LANE, prompt=PROMPT, max_tokens=1800)["job_id"] for _ in range(3)]
+        wait_until(lambda: all(client.job(j)["started_at"] for j in ids), 60,
                    "the long jobs to start on b")
         assert control.deactivate(app, stack.redis, settings, pair.b, LANE, "vllm")
         # deactivate returned: the worker stopped consuming and has nothing in flight.
         rows = [client.job(j) for j in ids]
         events = [list(client.stream(j)) for j in ids]
-    assert all(r["status"] == "done" and r["completion_tokens"] == 1200 for r in rows)
+    assert all(r["status"] == "done" and r["completion_tokens"] == 1800 for r in rows)
     for evs in events:
         assert [e.seq for e in evs] == list(range(len(evs)))
-        assert sum(len(e.token_ids) for e in evs) == 1200
+        assert sum(len(e.token_ids) for e in evs) == 1800
     assert not control.consumes(app, pair.b, QUEUE)
 
 
