@@ -90,3 +90,19 @@ def _ready(base: str, names: set[str]) -> bool:
         return False
     active = set(resp.json().get("checks", {}).get("workers", {}).get("active", []))
     return resp.status_code == 200 and names <= active
+
+
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+
+
+def pg_admin(sql: str) -> None:
+    """One statement on PostgreSQL's `test` database, outside a transaction (CREATE and
+    DROP DATABASE for the tests' private databases)."""
+    from sqlalchemy import create_engine
+
+    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            conn.exec_driver_sql(sql)
+    finally:
+        engine.dispose()

@@ -9,12 +9,12 @@ from datetime import UTC, datetime, time, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine
 from sqlalchemy.exc import OperationalError
 
 from scheduler.forecast import forecast, minute_of, peak_rate_per_s
 from scheduler.peaks import PeakWindow, peak_factor, windows_of
 from store import Store, upgrade
+from tests.stack import pg_admin
 from tidegate.lanes import load_lanes
 
 NOW = datetime(2026, 11, 11, 19, 0, 30, tzinfo=UTC)  # mid-minute: the 19:00 minute is open
@@ -188,17 +188,7 @@ def test_the_shipped_lanes_file_still_loads() -> None:
 
 # -- traffic samples in the store ----------------------------------------------------
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PG_DATABASE = "tidegate_test_traffic"
-
-
-def _pg_admin(sql: str) -> None:
-    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql(sql)
-    finally:
-        engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
@@ -207,17 +197,17 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
         url = f"sqlite:///{tmp_path / 'traffic.db'}"
     else:
         try:
-            _pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+            pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
         except OperationalError as exc:
             pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
-        _pg_admin(f"CREATE DATABASE {PG_DATABASE}")
+        pg_admin(f"CREATE DATABASE {PG_DATABASE}")
         url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"
     upgrade(url)  # the migration, not create_all: 0003 is what production gets
     st = Store(url)
     yield st
     st.close()
     if request.param == "postgresql":
-        _pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+        pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
 
 
 def test_arrivals_add_up_per_lane_and_minute(store: Store) -> None:

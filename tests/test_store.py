@@ -19,7 +19,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Index, MetaData, create_engine, text
+from sqlalchemy import Index, MetaData, text
 from sqlalchemy.exc import OperationalError
 
 from store import (
@@ -32,31 +32,22 @@ from store import (
     make_engine,
     upgrade,
 )
+from tests.stack import pg_admin
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 PG_DATABASE = "tidegate_test_store"
 PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"
 THREADS = 8
 
 
-def _pg_admin(sql: str) -> None:
-    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql(sql)
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
     try:
-        _pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+        pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
     except OperationalError as exc:
         pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
-    _pg_admin(f"CREATE DATABASE {PG_DATABASE}")
+    pg_admin(f"CREATE DATABASE {PG_DATABASE}")
     yield PG_URL
-    _pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+    pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
 
 
 @pytest.fixture(
