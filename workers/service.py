@@ -166,6 +166,8 @@ class Heartbeat(threading.Thread):
         if self.ctx is not None:
             stats = self.ctx.host.engine.stats()
             body["engine"] = self.ctx.host.engine.kind
+            # What the engine really runs (an FP8 KV cache may fall back on a CPU).
+            body["kv_cache_dtype"] = stats.kv_cache_dtype or profile.kv_cache_dtype
             body["stats"] = {**stats.__dict__, "prefix_hit_rate": stats.prefix_hit_rate,
                              "avg_cache_allocation_latency_ms": _alloc_latency_ms(stats)}
             body["mean_job_ms"] = self.ctx.mean_job_ms

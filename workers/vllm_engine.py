@@ -7,9 +7,11 @@ method from its one loop thread.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import AsyncIterator
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,26 @@ from workers.engine import (
     EngineStats,
     warm_prompts,
 )
+
+log = logging.getLogger("tidegate.worker")
+
+
+@cache
+def cpu_fp8_kv_supported() -> bool:
+    """vLLM's CPU attention runs an FP8 KV cache only where torch sees AVX-512 or AMX; on
+    other CPUs its engine core dies at start ('FP8 KV cache on CPU requires ...'). The same
+    test vLLM makes (`_get_attn_isa`), so the two never disagree."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def effective_kv_cache_dtype(configured: str, on_cpu: bool) -> str:
+    """The KV cache dtype the engine will really run: FP8 falls back to the weights' dtype
+    on a CPU that cannot run it, so a lane still serves (and reports what it runs)."""
+    if on_cpu and configured.startswith("fp8") and not cpu_fp8_kv_supported():
+        return "auto"
+    return configured
 
 
 class _StatsRecorder:
@@ -78,18 +100,25 @@ class VllmEngine:
         self._capacity_tokens = 0
         self._aborted = 0
         self._loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest
+        self.kv_cache_dtype = config.kv_cache_dtype  # what the engine runs, set by start()
 
     async def start(self) -> None:
         # The CPU build sizes its KV cache from this variable (GiB); ignored on GPUs.
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.config.kv_cache_gib))
         from vllm import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
+        self.kv_cache_dtype = effective_kv_cache_dtype(cfg.kv_cache_dtype,
+                                                       current_platform.is_cpu())
+        if self.kv_cache_dtype != cfg.kv_cache_dtype:
+            log.warning("KV cache dtype %s is not supported on this CPU (needs AVX-512 or "
+                        "AMX); running %s", cfg.kv_cache_dtype, self.kv_cache_dtype)
         args = AsyncEngineArgs(
             model=cfg.model,
             dtype=cfg.dtype,  # type: ignore[arg-type]  # checked by the lanes file
-            kv_cache_dtype=cfg.kv_cache_dtype,  # type: ignore[arg-type]
+            kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.slots,
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -175,7 +204,7 @@ class VllmEngine:
 
     def stats(self) -> EngineStats:
         snap = self._recorder.snapshot()
-        snap.kv_cache_dtype = self.config.kv_cache_dtype
+        snap.kv_cache_dtype = self.kv_cache_dtype
         snap.kv_capacity_tokens = self._capacity_tokens
         snap.aborted = self._aborted
         if self._llm is not None:
