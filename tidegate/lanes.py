@@ -24,6 +24,24 @@ class PeakSpec(BaseModel):
     ramp_min: float = Field(15.0, ge=0)
 
 
+class KvPolicy(BaseModel):
+    """Session-priority KV cache eviction: the parameters of workers/kvcache/policy.py.
+
+    Priorities are on TensorRT-LLM's retention scale, 0-100, higher kept longer; a block
+    whose retention lapses (`session_idle_s` without reuse) falls to 35, TensorRT-LLM's
+    default. The reasoning is in workers/kvcache/policy.py."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_priority: int = Field(80, ge=0, le=100)  # a short, live session's prefix
+    short_session_turns: int = Field(4, ge=1)  # turns a session keeps session_priority
+    decay_per_turn: int = Field(5, ge=0, le=100)  # lost by every turn after those
+    long_session_floor: int = Field(40, ge=0, le=100)  # where a long session stops decaying
+    one_shot_priority: int = Field(10, ge=0, le=100)  # finished one-shot requests: first out
+    shared_priority: int = Field(90, ge=0, le=100)  # blocks hit by another session or request
+    session_idle_s: float = Field(90.0, gt=0)  # a session's prefix outlives its last use
+
+
 class Lane(BaseModel):
     """One lane: its queue, precision profile and limits."""
 
@@ -48,6 +66,7 @@ class Lane(BaseModel):
     # System prompts run through a worker's engine when it is activated, so the lane's
     # first real requests hit the prefix cache.
     warm_prompts: list[str] = Field(default_factory=list)
+    kv_policy: KvPolicy = Field(default_factory=KvPolicy)
 
 
 PRIORITY_MIN, PRIORITY_MAX = 0, 9

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -38,6 +39,9 @@ class Settings(BaseSettings):
     engine_slots: int = Field(64, gt=0)  # sequences per engine = Celery thread concurrency
     max_model_len: int = Field(2048, gt=0)
     kv_cache_gib: int = Field(1, gt=0)  # CPU engines: KV cache space per worker (GiB)
+    kv_cache_blocks: int = Field(0, ge=0)  # a fixed KV cache of this many blocks; 0: by memory
+    # KV cache eviction: "session" (session priority, workers/kvcache) or "lru" (vLLM's own).
+    kv_policy: Literal["session", "lru"] = "session"
 
     # LoRA adapters a worker serves: "name=path,name2=path2" (a worker-side setting).
     lora_adapters: str = ""

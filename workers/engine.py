@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tidegate.lanes import KvPolicy
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -18,6 +20,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     quantization: str | None = None  # weights, e.g. "fp8" where the engine has it
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) served by this engine
+    kv_policy: str = "session"  # KV eviction: "session" (workers/kvcache) or "lru" (stock)
+    kv_params: KvPolicy = KvPolicy()  # the lane's session-priority parameters
+    kv_cache_blocks: int | None = None  # fixed KV cache size in blocks; None: from memory
+    kv_block_size: int | None = None  # tokens per KV block; None: the engine's default
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class EngineRequest:
     turn: int = 0
     lane: str = ""
     lora: str | None = None  # name of a LoRA adapter from EngineConfig.lora_adapters
+    warm: bool = False  # a warm-up prompt: the lane's hot prefix, kept as a shared one
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -63,6 +71,10 @@ class EngineStats:
     finished_by_reason: dict[str, int] = field(default_factory=dict)  # engine counters
     unfinished: int = 0  # requests the engine holds right now (live, not per step)
     aborted: int = 0  # requests aborted while the engine still held them
+    kv_policy: str = ""  # the eviction order the engine runs
+    # Mean time per scheduler step spent allocating KV cache, recent steps (None: unknown).
+    avg_cache_allocation_latency_ms: float | None = None
+    kv_evictions: int = 0  # cached blocks reused for new contents
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -76,7 +88,7 @@ async def warm_prompts(engine: Engine, prompts: list[str]) -> None:
 
     for prompt in prompts:
         request = EngineRequest(request_id=f"warm-{uuid.uuid4().hex}", prompt=prompt,
-                                max_tokens=1)
+                                max_tokens=1, warm=True)
         async for _ in engine.generate(request):
             pass
 

@@ -28,7 +28,7 @@ from tasks.payloads import GENERATE
 from tidegate import keys
 from tidegate.lanes import pool_queue
 from tidegate.settings import Settings, get_settings
-from workers.engine import Engine, EngineConfig
+from workers.engine import Engine, EngineConfig, EngineStats
 from workers.host import EngineHost
 from workers.lifecycle import LIFECYCLE
 from workers.publisher import EventPublisher
@@ -78,6 +78,8 @@ def make_engine(settings: Settings, lane: str, kind: str) -> Engine:
         kv_cache_dtype=profile.kv_cache_dtype, max_model_len=settings.max_model_len,
         slots=settings.engine_slots, kv_cache_gib=settings.kv_cache_gib,
         quantization=profile.quantization, lora_adapters=settings.lora,
+        kv_policy=settings.kv_policy, kv_params=profile.kv_policy,
+        kv_cache_blocks=settings.kv_cache_blocks or None,
     )
     if kind == "trtllm":
         from workers.trtllm_engine import TrtllmEngine
@@ -174,10 +176,9 @@ class Heartbeat(threading.Thread):
         return body
 
 
-def _alloc_latency_ms(stats: Any) -> float | None:
+def _alloc_latency_ms(stats: EngineStats) -> float | None:
     forced = LIFECYCLE.forced_alloc_latency_ms
-    return forced if forced is not None else getattr(stats, "avg_cache_allocation_latency_ms",
-                                                     None)
+    return forced if forced is not None else stats.avg_cache_allocation_latency_ms
 
 
 class CancelListener(threading.Thread):

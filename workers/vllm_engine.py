@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import AsyncIterator
 from functools import cache
@@ -23,6 +24,8 @@ from workers.engine import (
     EngineStats,
     warm_prompts,
 )
+from workers.kvcache import stats as alloc_stats
+from workers.kvcache.policy import SessionMeta, retention
 
 log = logging.getLogger("tidegate.worker")
 
@@ -101,6 +104,7 @@ class VllmEngine:
         self._aborted = 0
         self._loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest
         self.kv_cache_dtype = config.kv_cache_dtype  # what the engine runs, set by start()
+        self._alloc_stats_path: Path | None = None  # written by the plugin in the engine core
 
     async def start(self) -> None:
         # The CPU build sizes its KV cache from this variable (GiB); ignored on GPUs.
@@ -115,6 +119,7 @@ class VllmEngine:
         if self.kv_cache_dtype != cfg.kv_cache_dtype:
             log.warning("KV cache dtype %s is not supported on this CPU (needs AVX-512 or "
                         "AMX); running %s", cfg.kv_cache_dtype, self.kv_cache_dtype)
+        self._plugin_env()
         args = AsyncEngineArgs(
             model=cfg.model,
             dtype=cfg.dtype,  # type: ignore[arg-type]  # checked by the lanes file
@@ -122,6 +127,8 @@ class VllmEngine:
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.slots,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            num_gpu_blocks_override=cfg.kv_cache_blocks,
+            block_size=cfg.kv_block_size,
             disable_log_stats=False,
             enforce_eager=True,
             **self._lora_args(),
@@ -130,6 +137,28 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._recorder.factory])
         vcfg = self._llm.vllm_config.cache_config
         self._capacity_tokens = int((vcfg.num_gpu_blocks or 0) * vcfg.block_size)
+
+    def _plugin_env(self) -> None:
+        """What tidegate's vLLM plugin reads in the engine core process, which vLLM starts
+        with this process's environment (workers/kvcache/plugin.py)."""
+        from workers.kvcache import plugin, stats
+
+        if self.config.kv_policy not in plugin.POLICIES:
+            raise EngineError(f"unknown KV policy {self.config.kv_policy!r}; "
+                              f"known: {', '.join(plugin.POLICIES)}")
+        if self.config.kv_policy == "session":
+            import vllm
+
+            try:
+                plugin.check_version(vllm.__version__)
+            except plugin.PluginRefused as exc:
+                raise EngineError(str(exc)) from None
+        fd, path = tempfile.mkstemp(prefix="tidegate-kv-", suffix=".stats")
+        os.close(fd)
+        self._alloc_stats_path = Path(path)
+        stats.create(self._alloc_stats_path)
+        os.environ[plugin.POLICY_ENV] = self.config.kv_policy
+        os.environ[plugin.STATS_ENV] = path
 
     def _lora_args(self) -> dict[str, Any]:
         """Engine arguments for the configured LoRA adapters; ids are stable, from 1."""
@@ -160,8 +189,7 @@ class VllmEngine:
             top_p=request.top_p,
             seed=request.seed,
             output_kind=RequestOutputKind.DELTA,
-            extra_args={"tidegate": {"session_id": request.session_id, "turn": request.turn,
-                                     "lane": request.lane}},
+            extra_args={"tidegate": self._kv_meta(request)},
         )
         lora = None
         if request.lora is not None:
@@ -187,6 +215,14 @@ class VllmEngine:
             if not finished:
                 self._aborted += 1
 
+    def _kv_meta(self, request: EngineRequest) -> dict[str, Any]:
+        """What the KV plugin tags the request's blocks with when it frees them."""
+        meta = SessionMeta(session_id=request.session_id, turn=request.turn,
+                           lane=request.lane, warm=request.warm)
+        return {"session_id": request.session_id, "turn": request.turn, "lane": request.lane,
+                "owner": request.session_id or request.request_id,
+                "kv": retention(meta, self.config.kv_params).as_dict()}
+
     def _prompt(self, request: EngineRequest) -> dict[str, Any]:
         if not request.resume_token_ids:
             return {"prompt": request.prompt}
@@ -207,6 +243,11 @@ class VllmEngine:
         snap.kv_cache_dtype = self.kv_cache_dtype
         snap.kv_capacity_tokens = self._capacity_tokens
         snap.aborted = self._aborted
+        snap.kv_policy = self.config.kv_policy
+        alloc = alloc_stats.read(self._alloc_stats_path) if self._alloc_stats_path else None
+        if alloc is not None and alloc.steps:
+            snap.avg_cache_allocation_latency_ms = alloc.recent_ms
+            snap.kv_evictions = alloc.evictions
         if self._llm is not None:
             snap.unfinished = self._llm.get_num_unfinished_requests()
         return snap
@@ -215,6 +256,9 @@ class VllmEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._alloc_stats_path is not None:
+            self._alloc_stats_path.unlink(missing_ok=True)
+            self._alloc_stats_path = None
 
 
 # vLLM's MaxLoRARanks: max_lora_rank must be one of these.
@@ -262,4 +306,5 @@ def _delta(out: Any) -> Delta:
         finished=bool(out.finished),
         finish_reason=reason,
         prompt_tokens=len(out.prompt_token_ids or ()),
+        cached_tokens=out.num_cached_tokens,
     )

@@ -1,0 +1,191 @@
+"""tidegate's vLLM plugin: session-priority KV cache eviction and allocation timing.
+
+Loaded through the `vllm.general_plugins` entry point, which vLLM runs in each of its
+processes (the engine core included, where the scheduler and the block pool live). It
+does nothing unless the tidegate adapter asked for it in the environment, so a vLLM that
+merely shares the virtual environment (the benchmarks' peer server) runs untouched:
+
+* TIDEGATE_KV_POLICY=session: every BlockPool built from then on gets a SessionFreeQueue
+  in place of vLLM's free-block queue, and the hooks below tell the queue whose blocks are
+  freed or hit. =lru (or unset): vLLM's own queue, untouched.
+* TIDEGATE_KV_STATS_PATH=FILE: the scheduler's time in `allocate_slots` per step is
+  written to FILE (workers/kvcache/stats.py) for the worker's heartbeat.
+
+The seams are vLLM internals (vllm/v1/core): `BlockPool.free_block_queue`,
+`BlockPool.touch`, `KVCacheManager.allocate_slots` / `free`, `Scheduler.schedule`. They
+are written for one vLLM version; on any other the session policy refuses to start.
+
+Where the request comes from: the adapter puts the request's retention (from
+workers/kvcache/policy.py) in `SamplingParams.extra_args["tidegate"]`, not in `priority`
+(which reorders scheduling) nor `cache_salt` (which splits the cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from workers.kvcache.freequeue import SessionFreeQueue
+from workers.kvcache.policy import DEFAULT_RETENTION, Retention
+from workers.kvcache.stats import AllocStatsWriter
+
+log = logging.getLogger("tidegate.kvcache")
+
+PINNED_VLLM = "0.32.0"  # the vLLM whose block pool this plugin replaces
+POLICY_ENV = "TIDEGATE_KV_POLICY"
+STATS_ENV = "TIDEGATE_KV_STATS_PATH"
+POLICIES = ("lru", "session")
+
+
+class PluginRefused(RuntimeError):
+    """The session policy cannot run on this vLLM."""
+
+
+def check_version(version: str) -> None:
+    if version != PINNED_VLLM:
+        raise PluginRefused(
+            f"tidegate's session-priority KV cache plugin replaces vLLM {PINNED_VLLM}'s "
+            f"free-block queue and this is vLLM {version}: it refuses to load. Install "
+            f"vllm{'-cpu' if 'cpu' in version else ''}=={PINNED_VLLM}, or run with "
+            f"{POLICY_ENV}=lru (stock vLLM eviction).")
+
+
+def register() -> None:
+    """The entry point vLLM calls in each process."""
+    policy, stats_path = os.environ.get(POLICY_ENV, ""), os.environ.get(STATS_ENV, "")
+    if not policy and not stats_path:
+        return
+    if policy and policy not in POLICIES:
+        raise PluginRefused(f"{POLICY_ENV}={policy!r}: must be one of {', '.join(POLICIES)}")
+    import vllm
+
+    try:
+        check_version(vllm.__version__)
+    except PluginRefused:
+        if policy == "session":
+            raise
+        log.warning("vLLM %s is not %s: KV allocation timing is off", vllm.__version__,
+                    PINNED_VLLM)
+        return
+    _install()
+
+
+_installed = False
+
+
+def _install() -> None:
+    """Wraps the seams once per process; each wrapper reads the environment when an engine
+    is built, so two engines made one after the other in a process can differ."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    _wrap(BlockPool, "__init__", _pool_init)
+    _wrap(BlockPool, "touch", _touch)
+    _wrap(BlockPool, "_maybe_evict_cached_block", _count_eviction)
+    _wrap(KVCacheManager, "allocate_slots", _allocate_slots)
+    _wrap(KVCacheManager, "free", _free)
+    _wrap(Scheduler, "__init__", _scheduler_init)
+    _wrap(Scheduler, "schedule", _schedule)
+
+
+def _wrap(cls: type, name: str, hook: Any) -> None:
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return hook(original, self, *args, **kwargs)
+
+    setattr(cls, name, wrapper)
+
+
+# --- the eviction policy -----------------------------------------------------------
+
+
+def _pool_init(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
+    original(pool, *args, **kwargs)
+    if os.environ.get(POLICY_ENV) == "session" and pool.enable_caching:
+        # The null block (popped by BlockPool.__init__) stays out, as in vLLM's queue.
+        pool.free_block_queue = SessionFreeQueue(
+            [b for b in pool.blocks if b is not pool.null_block])
+        log.info("session-priority KV eviction on a pool of %d blocks", pool.num_gpu_blocks)
+
+
+def _touch(original: Any, pool: Any, blocks: Any) -> None:
+    queue = pool.free_block_queue
+    if isinstance(queue, SessionFreeQueue):
+        for block in blocks:
+            if not block.is_null:
+                queue.note_use(block)
+    original(pool, blocks)
+
+
+def _retention(request: Any) -> tuple[Retention, str]:
+    """The request's retention and owner, as the adapter put them in extra_args."""
+    params = getattr(request, "sampling_params", None)
+    meta = ((params.extra_args or {}) if params is not None else {}).get("tidegate") or {}
+    kv = meta.get("kv")
+    retention = Retention.from_dict(kv) if isinstance(kv, dict) else DEFAULT_RETENTION
+    return retention, str(meta.get("owner") or request.request_id)
+
+
+def _tagged(manager: Any, request: Any) -> SessionFreeQueue | None:
+    queue = manager.block_pool.free_block_queue
+    if not isinstance(queue, SessionFreeQueue):
+        return None
+    queue.tag(*_retention(request))
+    return queue
+
+
+def _free(original: Any, manager: Any, request: Any) -> None:
+    queue = _tagged(manager, request)
+    try:
+        original(manager, request)
+    finally:
+        if queue is not None:
+            queue.tag(DEFAULT_RETENTION, "")
+
+
+# --- allocation timing ---------------------------------------------------------------
+
+_step = {"alloc_s": 0.0, "evictions": 0}  # this process's scheduler step, as it runs
+
+
+def _allocate_slots(original: Any, manager: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+    queue = _tagged(manager, request)  # prefix hits (touch) and new blocks are this request's
+    started = time.perf_counter()
+    try:
+        return original(manager, request, *args, **kwargs)
+    finally:
+        _step["alloc_s"] += time.perf_counter() - started
+        if queue is not None:
+            queue.tag(DEFAULT_RETENTION, "")
+
+
+def _count_eviction(original: Any, pool: Any, block: Any) -> bool:
+    evicted = bool(original(pool, block))
+    _step["evictions"] += evicted
+    return evicted
+
+
+def _scheduler_init(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    original(scheduler, *args, **kwargs)
+    path = os.environ.get(STATS_ENV)
+    scheduler._tidegate_stats = AllocStatsWriter(Path(path)) if path else None
+
+
+def _schedule(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    _step["alloc_s"], _step["evictions"] = 0.0, 0
+    output = original(scheduler, *args, **kwargs)
+    writer = getattr(scheduler, "_tidegate_stats", None)
+    if writer is not None and (_step["alloc_s"] or _step["evictions"]):
+        writer.step(_step["alloc_s"] * 1000, int(_step["evictions"]))
+    return output
