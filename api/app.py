@@ -24,7 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api import limits
 from api.auth import Tenant, authenticate
 from api.errors import ApiError, bad_request, handle_api_error, not_found, unavailable
-from api.metrics import ApiMetrics
+from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest, parse_job_request
 from scheduler.router import NoRoute, Route, WorkerView, route
@@ -57,6 +57,8 @@ class Deps:
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)
         self.metrics = ApiMetrics()
+        self.metrics.registry.register(FleetCollector(
+            lambda: read_fleet(self.sync_redis, settings.namespace)))
         self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
         self._fleet_lock = threading.Lock()
 
@@ -138,7 +140,9 @@ def _routes(app: FastAPI, deps: Deps) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(deps.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # The fleet's gauges read Redis: not on the event loop.
+        body = await asyncio.to_thread(generate_latest, deps.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 async def _json_body(request: Request, deps: Deps) -> Any:
@@ -182,7 +186,7 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
                                   prompt_tokens=prompt_tokens, sampling=_sampling(req),
                                   session_id=req.session_id, turn=turn,
                                   deadline_at=time.time() + (req.deadline_s or lane.deadline_s),
-                                  lora=req.lora)
+                                  lora=req.lora, shared_prefix_tokens=_shared_prefix(deps, req))
         _publish(deps, job.id, payload, decision.queue, redis_priority(priority))
         deps.metrics.jobs.labels(req.lane).inc()
         _sample_traffic(deps, req)
@@ -221,6 +225,12 @@ def _sample_traffic(deps: Deps, req: JobRequest) -> None:
         pipe.zincrby(hot, 1, deps.prompts.render_prefix(system))
         pipe.zremrangebyrank(hot, 0, -(HOT_KEEP + 1))
     pipe.execute()
+
+
+def _shared_prefix(deps: Deps, req: JobRequest) -> int:
+    """Tokens of the request's system turn, the prefix its lane's requests share."""
+    system = [m for m in req.messages or [] if m.role == "system"]
+    return deps.prompts.count(deps.prompts.render_prefix(system)) if system else 0
 
 
 def _session_turn(deps: Deps, job_id: str, tenant_id: int, session_id: str | None) -> int:

@@ -1,7 +1,9 @@
-"""Prometheus histograms of the API: queue wait, TTFT, TPOT and end-to-end time by lane.
+"""Prometheus metrics of the API: queue wait, TTFT, TPOT and end-to-end time by lane, and
+each worker's engine (KV cache use, prefix cache hit rate, cache allocation latency).
 
 Workers append a summary of every finished job to one Redis stream; the API follows it
-and observes the histograms, so `/metrics` covers jobs whichever worker ran them.
+and observes the histograms, so `/metrics` covers jobs whichever worker ran them. Engine
+gauges come from the workers' heartbeats, read when Prometheus scrapes.
 """
 
 from __future__ import annotations
@@ -9,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from tidegate import keys
 
@@ -65,3 +70,39 @@ class ApiMetrics:
                 for entry_id, fields in entries:
                     last = entry_id
                     self.observe(json.loads(fields[b"s"]))
+
+
+# name, help, heartbeat stats field; labelled by worker, lane, engine and KV policy
+_ENGINE_GAUGES = (
+    ("tidegate_worker_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache "
+     "over prompt tokens, as vLLM counts them, since the engine started", "prefix_hit_rate"),
+    ("tidegate_worker_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix "
+     "cache since the engine started", "prefix_queries_tokens"),
+    ("tidegate_worker_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache "
+     "since the engine started", "prefix_hits_tokens"),
+    ("tidegate_worker_cache_allocation_latency_ms", "Time per scheduler step spent "
+     "allocating KV cache, recent average", "avg_cache_allocation_latency_ms"),
+    ("tidegate_worker_kv_cache_usage", "Fraction of KV cache blocks in use", "kv_usage"),
+    ("tidegate_worker_kv_evictions", "Cached KV blocks reused for new contents since the "
+     "engine started", "kv_evictions"),
+)
+
+
+class FleetCollector(Collector):
+    """Engine gauges of every heartbeating worker, read at scrape time."""
+
+    def __init__(self, read: Callable[[], list[dict[str, Any]]]) -> None:
+        self.read = read
+
+    def collect(self) -> Iterable[Metric]:
+        fleet = self.read()
+        for name, doc, field in _ENGINE_GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=["worker", "lane", "engine", "kv_policy"])
+            for hb in fleet:
+                stats = hb.get("stats") or {}
+                value = stats.get(field)
+                if isinstance(value, int | float):
+                    gauge.add_metric([hb.get("name", ""), ",".join(hb.get("lanes", [])),
+                                      hb.get("engine", ""), str(stats.get("kv_policy", ""))],
+                                     float(value))
+            yield gauge

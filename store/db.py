@@ -296,15 +296,17 @@ class Store:
             job = session.scalars(stmt).one_or_none()
             return job_record(job) if job else None
 
-    def mark_first_token(self, job_id: str, at: datetime) -> bool:
-        """Record the first token's time and TTFT (from started_at); only the first call counts."""
+    def mark_first_token(self, job_id: str, at: datetime, cached_tokens: int | None = None) -> bool:
+        """Record the first token's time, TTFT (from started_at) and the prompt tokens the
+        engine found in its prefix cache; only the first call counts."""
         at = _aware(at)
         with self._write() as session:
             started_at = session.scalar(select(Job.started_at).where(Job.id == job_id))
             stmt = (
                 update(Job)
                 .where(Job.id == job_id, Job.first_token_at.is_(None))
-                .values(first_token_at=at, ttft_ms=_ms(started_at, at))
+                .values(first_token_at=at, ttft_ms=_ms(started_at, at),
+                        cached_tokens=cached_tokens)
                 .returning(Job.id)
                 .execution_options(synchronize_session=False)
             )

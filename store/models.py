@@ -115,6 +115,8 @@ class Job(Base):
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Prompt tokens the engine served from its prefix cache (vLLM's count) on the last attempt.
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[str | None] = mapped_column(Text)
     output_text: Mapped[str | None] = mapped_column(Text)  # generated text, never the prompt

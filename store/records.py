@@ -72,6 +72,7 @@ class JobRecord:
     attempts: int
     lora: str | None = None
     route_reason: str | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache (1st token)
 
     @property
     def terminal(self) -> bool:

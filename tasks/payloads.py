@@ -33,6 +33,9 @@ class GeneratePayload:
     turn: int = 0  # turn number of the session (1-based), 0 for one-shot requests
     deadline_at: float | None = None  # epoch seconds; past it the job ends `expired`
     lora: str | None = None  # LoRA adapter name; the router sent the job to a worker with it
+    # Tokens of the rendered system turn: the lane's shared prefix, kept longer by the KV
+    # cache on engines that take retention per token range (TensorRT-LLM).
+    shared_prefix_tokens: int = 0
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
 
     def to_dict(self) -> dict[str, Any]:

@@ -64,7 +64,9 @@ def test_job_row_and_done_event_carry_queue_wait_ttft_tpot(stack: Stack) -> None
         value = getattr(job, name)
         assert value is not None and value >= 0, name
         assert done.data[name] == value
-    assert done.data["usage"] == {"prompt_tokens": job.prompt_tokens, "completion_tokens": 16}
+    assert done.data["usage"] == {"prompt_tokens": job.prompt_tokens, "completion_tokens": 16,
+                                  "cached_tokens": job.cached_tokens}
+    assert job.cached_tokens is not None and 0 <= job.cached_tokens < job.prompt_tokens
 
 
 def test_consumer_connecting_after_done_receives_every_event(stack: Stack) -> None:
@@ -220,3 +222,50 @@ def test_seeded_long_prompts_arriving_at_once_do_not_break_the_engine(stack: Sta
         results = list(pool.map(one, range(24)))
     assert all(r[-1].kind == "done" for r in results)
     assert engine_stats(stack.workers["chat"])["unfinished"] == 0
+
+
+def _gauge(metrics: str, name: str, worker: str) -> float | None:
+    for line in metrics.splitlines():
+        if line.startswith(name + "{") and f'worker="{worker}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_prefix_hits_and_allocation_latency_show_in_status_metrics_and_jobs(stack: Stack) -> None:
+    """A load sharing one long system prompt: the chat worker's prefix cache hit rate and
+    cache allocation latency appear in `/metrics` and `tidegate status` while it runs, and
+    the jobs record the prompt tokens they found cached."""
+    system = {"role": "system", "content": "You answer for the shop's customer service desk. "
+              "Be short, polite and exact about orders, refunds and delivery dates. " * 12}
+    worker = stack.workers["chat"]
+
+    def one(n: int) -> str:
+        with Client(stack.base_url, stack.api_key) as client:
+            job = client.submit("chat", messages=[system, {"role": "user",
+                                "content": f"Where is order {n}?"}], max_tokens=32)
+            list(client.stream(job["job_id"]))
+            return str(job["job_id"])
+
+    def visible() -> bool:
+        body = json.loads(stack.redis.get(keys.worker_heartbeat(stack.namespace, worker)))
+        s = body["stats"]
+        return s["prefix_hits_tokens"] > 0 and s["avg_cache_allocation_latency_ms"] is not None
+
+    with ThreadPoolExecutor(8) as pool:
+        jobs = [pool.submit(one, n) for n in range(48)]
+        wait_until(visible, 120, "the chat worker's heartbeat to show prefix hits")
+        with stack.http() as http:
+            metrics = http.get("/metrics").text
+        status = subprocess.run([sys.executable, "-m", "tidegate.cli", "status"], text=True,
+                                capture_output=True, timeout=60, check=True).stdout
+        job_ids = [f.result() for f in jobs]
+
+    assert (_gauge(metrics, "tidegate_worker_prefix_cache_hit_rate", worker) or 0) > 0
+    assert (_gauge(metrics, "tidegate_worker_cache_allocation_latency_ms", worker) or 0) > 0
+    row = next(line for line in status.splitlines() if line.startswith(worker))
+    hit_cell, alloc_cell = row.split()[11:13]
+    assert hit_cell.endswith("%") and float(hit_cell[:-1]) > 0 and float(alloc_cell) > 0
+    assert " session " in row
+    rows = [stack.store.get_job(job_id) for job_id in job_ids]
+    assert all(r is not None and r.status == "done" for r in rows)
+    assert sum(1 for r in rows if r and (r.cached_tokens or 0) > 0) >= len(rows) // 2

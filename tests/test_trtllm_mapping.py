@@ -11,23 +11,30 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from tidegate.lanes import KvPolicy
 from workers.engine import EngineConfig, EngineError, EngineRequest, EngineStats
 from workers.trtllm_engine import (
     PYTORCH,
     TENSORRT,
     UNAVAILABLE,
+    RetentionPlan,
+    TokenRange,
     TrtllmEngine,
+    as_timedelta,
     checkpoint_precision,
     clamp_max_tokens,
+    clamp_priority,
     detect_backend,
     engine_precision,
     finish_reason,
     fold_iteration,
     llm_kwargs,
+    retention_ranges,
     sampling_seed,
     unavailable_reason,
 )
@@ -170,3 +177,99 @@ def test_module_import_does_not_import_tensorrt_llm() -> None:
     code = ("import sys, workers.trtllm_engine; "
             "sys.exit('tensorrt_llm' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+# --- KV retention: the session policy as a per-request KvCacheRetentionConfig -----------
+
+SESSION = replace(CHAT, kv_policy="session")  # the default KvPolicy: 80, 4 turns, -5, 40, 10
+IDLE_MS = 90_000  # KvPolicy.session_idle_s, in the milliseconds TensorRT-LLM takes
+
+
+def ask(session_id: str | None = None, turn: int = 0, warm: bool = False) -> EngineRequest:
+    return EngineRequest(request_id="r", prompt="p", max_tokens=4, session_id=session_id,
+                         turn=turn, lane="chat", warm=warm)
+
+
+@pytest.mark.parametrize(("request_", "priority", "duration_ms"), [
+    (ask(), 10, None),  # one-shot: first out, never lapses (it is already the lowest)
+    (ask(session_id="s", turn=1), 80, IDLE_MS),
+    (ask(session_id="s", turn=4), 80, IDLE_MS),  # the last of the short turns
+    (ask(session_id="s", turn=10), 50, IDLE_MS),  # 6 turns past them: 80 - 6 * 5
+    (ask(session_id="s", turn=40), 40, IDLE_MS),  # a long session stops at the floor
+    (ask(warm=True), 90, IDLE_MS),  # a lane's hot prefix: shared_priority
+    (ask(session_id="s", turn=0), 10, None),  # no turn counted: treated as one-shot
+], ids=["one-shot", "turn-1", "turn-4", "turn-10", "turn-40-floor", "warm", "turn-0"])
+def test_session_policy_covers_prompt_and_decode_with_one_class(
+        request_: EngineRequest, priority: int, duration_ms: int | None) -> None:
+    plan = retention_ranges(request_, SESSION)
+    assert plan == RetentionPlan(ranges=(TokenRange(0, None, priority, duration_ms),),
+                                 decode_priority=priority, decode_duration_ms=duration_ms)
+
+
+def test_a_system_turn_keeps_the_shared_class_whoever_reuses_it() -> None:
+    """TensorRT-LLM gives a reused block the class of its latest user, so a one-shot request
+    states its system turn's range at shared_priority and cannot demote the lane's prompt."""
+    one_shot = replace(ask(), shared_prefix_tokens=300)
+    assert retention_ranges(one_shot, SESSION) == RetentionPlan(
+        ranges=(TokenRange(0, 300, 90, None), TokenRange(300, None, 10, None)),
+        decode_priority=10, decode_duration_ms=None)
+    turn = retention_ranges(replace(ask(session_id="s", turn=2), shared_prefix_tokens=300),
+                            SESSION)
+    assert turn is not None and turn.ranges == (TokenRange(0, 300, 90, IDLE_MS),
+                                                TokenRange(300, None, 80, IDLE_MS))
+
+
+def test_lru_policy_leaves_tensorrt_llms_default() -> None:
+    lru = replace(CHAT, kv_policy="lru")
+    for request_ in (ask(), ask(session_id="s", turn=2), ask(warm=True)):
+        assert retention_ranges(request_, lru) is None
+    assert TrtllmEngine(lru).retention_for(ask(session_id="s", turn=2)) is None
+
+
+def test_unknown_policy_is_refused_before_the_engine_starts() -> None:
+    odd = replace(CHAT, kv_policy="lfu")
+    with pytest.raises(EngineError, match="unknown KV policy 'lfu'"):
+        retention_ranges(ask(), odd)
+    with pytest.raises(EngineError, match="unknown KV policy 'lfu'"):
+        asyncio.run(TrtllmEngine(odd).start())
+
+
+def test_lane_parameters_reach_the_plan() -> None:
+    params = KvPolicy(session_priority=70, short_session_turns=1, decay_per_turn=10,
+                      long_session_floor=45, session_idle_s=2.5)
+    plan = retention_ranges(ask(session_id="s", turn=2), replace(SESSION, kv_params=params))
+    assert plan is not None and plan.ranges == (TokenRange(0, None, 60, 2500),)
+
+
+def test_priorities_are_clamped_to_tensorrt_llms_range() -> None:
+    assert [clamp_priority(p) for p in (-5, 0, 35, 100, 150)] == [0, 0, 35, 100, 100]
+    # KvPolicy validates 0-100; model_construct skips that, as a hand-built config would.
+    wild = KvPolicy.model_construct(**{**KvPolicy().model_dump(), "session_priority": 150,
+                                       "long_session_floor": 150, "one_shot_priority": -5})
+    config = replace(SESSION, kv_params=wild)
+    turn = retention_ranges(ask(session_id="s", turn=1), config)
+    one_shot = retention_ranges(ask(), config)
+    assert turn is not None and (turn.ranges[0].priority, turn.decode_priority) == (100, 100)
+    assert one_shot is not None and one_shot.ranges[0].priority == 0
+
+
+def test_durations_go_to_the_bindings_as_timedeltas() -> None:
+    # std::chrono::milliseconds converts from a timedelta; a bare int would not be ms.
+    assert as_timedelta(IDLE_MS) == timedelta(seconds=90)
+    assert as_timedelta(None) is None
+
+
+def test_engine_stats_report_the_kv_policy() -> None:
+    assert TrtllmEngine(SESSION).stats().kv_policy == "session"
+    assert TrtllmEngine(replace(CHAT, kv_policy="lru")).stats().kv_policy == "lru"
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason="needs TensorRT-LLM and a GPU")
+def test_retention_for_builds_the_bindings_object() -> None:
+    config = TrtllmEngine(SESSION).retention_for(ask(session_id="s", turn=10))
+    assert config is not None
+    (token_range,) = config.token_range_retention_configs
+    assert (token_range.token_start, token_range.token_end, token_range.priority) == (0, None, 50)
+    assert token_range.duration_ms == timedelta(milliseconds=IDLE_MS)
+    assert config.decode_retention_priority == 50
+    assert config.decode_duration_ms == timedelta(milliseconds=IDLE_MS)

@@ -45,7 +45,8 @@ def _print_workers(fleet: list[dict[str, Any]]) -> None:
         print("no worker is heartbeating")
         return
     head = (f"{'worker':32} {'state':8} {'lanes':8} {'pool':9} {'engine':7} {'kv dtype':8} "
-            f"{'kv tokens':>9} {'slots':>5} {'run':>4} {'wait':>4} {'kv use':>6} {'hit':>6} lora")
+            f"{'kv tokens':>9} {'slots':>5} {'run':>4} {'wait':>4} {'kv use':>6} {'hit':>6} "
+            f"{'alloc ms':>8} {'evict':>7} {'policy':7} lora")
     print(head)
     for w in fleet:
         s = w.get("stats", {})
@@ -55,4 +56,9 @@ def _print_workers(fleet: list[dict[str, Any]]) -> None:
               f"{s.get('kv_capacity_tokens', 0):>9} {w.get('slots', 0):>5} "
               f"{s.get('running', 0):>4} {s.get('waiting', 0):>4} "
               f"{s.get('kv_usage', 0.0):>6.1%} {s.get('prefix_hit_rate', 0.0):>6.1%} "
-              f"{','.join(w.get('lora', [])) or '-'}")
+              f"{_ms(s.get('avg_cache_allocation_latency_ms')):>8} {s.get('kv_evictions', 0):>7} "
+              f"{s.get('kv_policy') or '-':7} {','.join(w.get('lora', [])) or '-'}")
+
+
+def _ms(value: Any) -> str:
+    return f"{value:.2f}" if isinstance(value, int | float) else "-"

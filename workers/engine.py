@@ -41,6 +41,7 @@ class EngineRequest:
     lane: str = ""
     lora: str | None = None  # name of a LoRA adapter from EngineConfig.lora_adapters
     warm: bool = False  # a warm-up prompt: the lane's hot prefix, kept as a shared one
+    shared_prefix_tokens: int = 0  # leading prompt tokens shared across requests (system turn)
 
 
 @dataclass(frozen=True)

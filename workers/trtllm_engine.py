@@ -25,8 +25,9 @@ weights only as the checkpoint says; the TensorRT backend rejects `KvCacheConfig
 A checkpoint or engine whose precision differs from the lane's is refused at start,
 because a finance lane must never serve FP8 without anyone noticing.
 
-The pure helpers (backend choice, the argument mapping, folding iteration stats) import
-nothing from TensorRT-LLM, so tests/test_trtllm_mapping.py checks them on any machine.
+The pure helpers (backend choice, the argument mapping, folding iteration stats, the KV
+retention plan) import nothing from TensorRT-LLM, so tests/test_trtllm_mapping.py checks
+them on any machine.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ import os
 import random
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from workers.engine import (
     Delta,
@@ -50,6 +53,7 @@ from workers.engine import (
     EngineStats,
     warm_prompts,
 )
+from workers.kvcache.policy import MAX_PRIORITY, SessionMeta, retention
 
 if TYPE_CHECKING:
     from tensorrt_llm.llmapi import KvCacheRetentionConfig
@@ -64,6 +68,7 @@ STATS_IDLE_S = 0.2  # pause between polls when the engine reported nothing
 # TensorRT-LLM reports its finish reasons in its own words; the protocol's are these.
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
 Precision = tuple[str | None, str | None]  # (weights, KV cache) as QuantAlgo names; None: 16-bit
+KV_POLICIES = ("session", "lru")  # EngineConfig.kv_policy values this adapter knows
 
 
 # --- pure helpers: no tensorrt_llm import below until TrtllmEngine ---------------------
@@ -214,6 +219,82 @@ def fold_iteration(stats: EngineStats, iteration: dict[str, Any] | str) -> None:
     stats.prefix_queries_tokens = max(stats.prefix_queries_tokens, (reused + missed) * per_block)
 
 
+# --- KV cache retention: the session policy as a per-request KvCacheRetentionConfig ------
+#
+# TensorRT-LLM evicts free blocks lowest priority first (0-100, default 35), LRU inside a
+# priority, and drops a block back to 35 `duration_ms` after it was last freed (re-armed
+# at every release); a request sets the priority of the blocks it allocates *or reuses*.
+# That is workers/kvcache/policy.py's order, so the policy maps onto it request by request
+# (no plugin, unlike vLLM).
+#
+# `Retention.shared_priority` has no per-request equivalent. Reuse is decided inside the
+# KV cache manager when a request is admitted, so the request cannot say which of its
+# blocks another request already holds; and a block does not keep the highest priority any
+# request gave it: LRUEvictionPolicy::claimBlock overwrites priority and duration with
+# those of the request that reuses it ("New priority values always override the previous
+# value", cpp/tensorrt_llm/batch_manager/evictionPolicy.cpp). So every request states the
+# class of the prefix it knows to be shared, its system turn (`shared_prefix_tokens`,
+# counted by the API): that range gets shared_priority whoever reuses it, and a one-shot
+# request cannot demote a lane's system prompt. Other shared prefixes (a document two
+# requests both quote) take the class of their last user.
+
+
+class TokenRange(NamedTuple):
+    """One TokenRangeRetentionConfig, as plain data."""
+
+    start: int  # first prompt token
+    end: int | None  # one past the last; None: to the end of the prompt
+    priority: int  # 0-100
+    duration_ms: int | None  # then the blocks fall to 35; None: never
+
+
+@dataclass(frozen=True)
+class RetentionPlan:
+    """A KvCacheRetentionConfig as plain data, so tests check it without TensorRT-LLM."""
+
+    ranges: tuple[TokenRange, ...]  # prompt tokens (TokenRangeRetentionConfig)
+    decode_priority: int  # generated tokens' blocks
+    decode_duration_ms: int | None
+
+
+def retention_ranges(request: EngineRequest, config: EngineConfig) -> RetentionPlan | None:
+    """The request's retention under the lane's KV policy; None: TensorRT-LLM's default
+    (every block at 35, plain LRU), which is what "lru" asks for."""
+    check_kv_policy(config.kv_policy)
+    if config.kv_policy == "lru":
+        return None
+    meta = SessionMeta(session_id=request.session_id, turn=request.turn, lane=request.lane,
+                       warm=request.warm)
+    kept = retention(meta, config.kv_params)
+    priority = clamp_priority(kept.priority)
+    duration_ms = None if kept.duration_s is None else round(kept.duration_s * 1000)
+    ranges: tuple[TokenRange, ...] = (TokenRange(0, None, priority, duration_ms),)
+    shared = request.shared_prefix_tokens
+    if shared > 0:  # the system turn is every request's: it keeps the shared class
+        top = clamp_priority(max(priority, kept.shared_priority))
+        ranges = (TokenRange(0, shared, top, duration_ms),
+                  TokenRange(shared, None, priority, duration_ms))
+    # Decode blocks get the same class: the next turn's prompt is this one, the answer
+    # and a new message, so the answer's blocks are part of the prefix it reuses.
+    return RetentionPlan(ranges, priority, duration_ms)
+
+
+def check_kv_policy(policy: str) -> None:
+    if policy not in KV_POLICIES:
+        raise EngineError(f"unknown KV policy {policy!r}; known: {', '.join(KV_POLICIES)}")
+
+
+def clamp_priority(priority: int) -> int:
+    """TensorRT-LLM refuses a priority outside 0-100 (the request fails), so clamp."""
+    return max(0, min(MAX_PRIORITY, int(priority)))
+
+
+def as_timedelta(duration_ms: int | None) -> timedelta | None:
+    """The bindings take durations as std::chrono::milliseconds, which converts from a
+    timedelta (a bare number would be rejected, or read as seconds)."""
+    return None if duration_ms is None else timedelta(milliseconds=duration_ms)
+
+
 # --- the adapter ------------------------------------------------------------------------
 
 
@@ -226,11 +307,13 @@ class TrtllmEngine:
         self._llm: Any = None
         self._results: dict[str, Any] = {}  # request id -> GenerationResult, while it runs
         self._lock = threading.Lock()  # stats() is called from heartbeat threads
-        self._stats = EngineStats(kind=self.kind, kv_cache_dtype=config.kv_cache_dtype)
+        self._stats = EngineStats(kind=self.kind, kv_cache_dtype=config.kv_cache_dtype,
+                                  kv_policy=config.kv_policy)
         self._poller: asyncio.Task[None] | None = None
         self._stopping = False
 
     async def start(self) -> None:
+        check_kv_policy(self.config.kv_policy)  # a lane misconfiguration, on any machine
         if (reason := unavailable_reason()) is not None:
             raise EngineError(reason)
         model = self.config.model
@@ -251,9 +334,19 @@ class TrtllmEngine:
         await self._drain_stats()
 
     def retention_for(self, request: EngineRequest) -> KvCacheRetentionConfig | None:
-        """Per-request KV retention priorities (session priority instead of LRU).
-        None for now: a later issue maps the session class onto TokenRangeRetentionConfig."""
-        return None
+        """The request's KvCacheRetentionConfig (session priority instead of LRU), built
+        from `retention_ranges`; None leaves TensorRT-LLM's default."""
+        plan = retention_ranges(request, self.config)
+        if plan is None:
+            return None
+        from tensorrt_llm.llmapi import KvCacheRetentionConfig
+
+        ranges = [KvCacheRetentionConfig.TokenRangeRetentionConfig(
+            r.start, r.end, r.priority, as_timedelta(r.duration_ms)) for r in plan.ranges]
+        return KvCacheRetentionConfig(
+            token_range_retention_configs=ranges,
+            decode_retention_priority=plan.decode_priority,
+            decode_duration_ms=as_timedelta(plan.decode_duration_ms))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         if request.lora is not None:  # the router sends LoRA traffic to vLLM workers

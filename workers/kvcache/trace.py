@@ -76,6 +76,8 @@ def _parse(path: Path, n: int, line: str) -> TraceRequest:
         body = json.loads(line)
     except ValueError as exc:
         raise TraceError(f"trace {path} line {n}: not JSON ({exc})") from None
+    if not isinstance(body, dict):
+        raise TraceError(f"trace {path} line {n}: not a JSON object")
     missing = [f for f in _FIELDS if f not in body]
     if missing:
         raise TraceError(f"trace {path} line {n}: missing field {missing[0]!r}")
