@@ -198,7 +198,9 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
 def _route(deps: Deps, lane: Lane, req: JobRequest, tenant_id: int) -> Route:
     fleet = deps.fleet()
     backlog = queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
-    session = deps.store.get_session(req.session_id, tenant_id) if req.session_id else None
+    session = None
+    if req.session_id and deps.settings.session_affinity:
+        session = deps.store.get_session(req.session_id, tenant_id)
     try:
         return route(lane, fleet, backlog, lambda name: direct_queue(deps.settings, name),
                      lora=req.lora, session_worker=session.last_worker if session else None)

@@ -232,27 +232,33 @@ def stop_all(procs: list[Proc]) -> None:
 
 
 @contextmanager
-def tidegate_stack(tmp: Path, workers: Mapping[str, str],
-                   slots: int) -> Iterator[tuple[str, str, list[Proc]]]:
-    """Private Redis and SQLite, one worker per lane (`workers`: lane -> worker name) with
-    `slots` engine slots each, the API; all stopped on the way out."""
+def tidegate_stack(tmp: Path, workers: Mapping[str, str] | Sequence[tuple[str, str]],
+                   slots: int, env: Mapping[str, str] | None = None, pin: bool = False
+                   ) -> Iterator[tuple[str, str, list[Proc]]]:
+    """Private Redis and SQLite, the workers (lane -> worker name, or (lane, name) pairs
+    for several workers of a lane) with `slots` engine slots each, the API; all stopped on
+    the way out. `env`: settings on top of the benchmark's own (TIDEGATE_*). `pin`: each
+    worker's engine on a core of its own, round robin (left alone, all bind to core 0)."""
     from store import Store, upgrade
 
+    pairs = list(workers.items()) if isinstance(workers, Mapping) else list(workers)
+    names = [name for _, name in pairs]
     logs, procs = tmp / "logs", []
     db_url = f"sqlite:///{tmp / 'tidegate.db'}"
     try:
         redis_port = free_port()
         procs.append(start_redis(redis_port, logs))
         upgrade(db_url)
-        _, key = Store(db_url).create_tenant("bench", list(workers))
-        env = tidegate_env(redis_port, db_url, slots)
-        procs += [start_worker(env, lane, name, logs) for lane, name in workers.items()]
+        _, key = Store(db_url).create_tenant("bench", sorted({lane for lane, _ in pairs}))
+        full_env = {**tidegate_env(redis_port, db_url, slots), **(env or {})}
+        cores = os.cpu_count() or 1
+        procs += [start_worker(full_env, lane, name, logs, cpus=str(i % cores) if pin else None)
+                  for i, (lane, name) in enumerate(pairs)]
         port = free_port()
-        procs.append(start_api(env, port, logs))
+        procs.append(start_api(full_env, port, logs))
         base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: tidegate_ready(base, workers.values()), START_TIMEOUT_S,
-                   f"tidegate's /readyz with workers {sorted(workers.values())} active", procs,
-                   poll_s=0.5)
+        wait_until(lambda: tidegate_ready(base, names), START_TIMEOUT_S,
+                   f"tidegate's /readyz with workers {sorted(names)} active", procs, poll_s=0.5)
         yield base, key, procs
     finally:
         stop_all(procs)

@@ -40,11 +40,15 @@ class Settings(BaseSettings):
     max_model_len: int = Field(2048, gt=0)
     kv_cache_gib: int = Field(1, gt=0)  # CPU engines: KV cache space per worker (GiB)
     kv_cache_blocks: int = Field(0, ge=0)  # a fixed KV cache of this many blocks; 0: by memory
+    kv_block_size: int = Field(0, ge=0)  # tokens per KV block; 0: the engine's default
     # KV cache eviction: "session" (session priority, workers/kvcache) or "lru" (vLLM's own).
     kv_policy: Literal["session", "lru"] = "session"
 
     # LoRA adapters a worker serves: "name=path,name2=path2" (a worker-side setting).
     lora_adapters: str = ""
+
+    # Route a session's turns to the worker holding its prefix (off: any worker of the pool).
+    session_affinity: bool = True
 
     scheduler_tick_s: float = Field(10.0, gt=0)  # period of the scheduler's beat
     alloc_latency_threshold_ms: float = Field(200.0, gt=0)  # health: KV allocation latency

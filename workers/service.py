@@ -80,6 +80,7 @@ def make_engine(settings: Settings, lane: str, kind: str) -> Engine:
         quantization=profile.quantization, lora_adapters=settings.lora,
         kv_policy=settings.kv_policy, kv_params=profile.kv_policy,
         kv_cache_blocks=settings.kv_cache_blocks or None,
+        kv_block_size=settings.kv_block_size or None,
     )
     if kind == "trtllm":
         from workers.trtllm_engine import TrtllmEngine
