@@ -43,6 +43,7 @@ bench: venv model
 	$(PY) bench/lanes.py
 	$(PY) bench/coldstart.py
 	$(PY) bench/peak.py
+	$(PY) bench/kv.py
 
 clean:
 	rm -rf $(VENV) data

