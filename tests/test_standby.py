@@ -36,9 +36,11 @@ class Pair:
     procs: dict[str, Proc] = field(default_factory=dict)
 
     def start(self, which: str, standby: bool) -> None:
-        name = self.a if which == "a" else self.b
+        # One core each: a restarted engine bound to the core a busy engine spins on took
+        # minutes to start here.
+        name, core = (self.a, "0") if which == "a" else (self.b, "1")
         self.procs[which] = start_worker(dict(os.environ), LANE, name, self.logs,
-                                         standby=standby)
+                                         standby=standby, cpus=core)
 
 
 def heartbeat(stack: Stack, name: str) -> dict | None:
@@ -154,17 +156,19 @@ def test_the_scheduler_prewarms_a_standby_worker_ahead_of_forecast_traffic(
     wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b to report active")
 
 
-def test_high_allocation_latency_gets_the_cheap_fix_while_the_other_serves(
+@pytest.mark.timeout(900)  # a restart loads a new engine while the other worker is busy
+def test_high_allocation_latency_gets_the_cheap_fix_then_a_rolling_restart(
         stack: Stack, pair: Pair) -> None:
-    """The first step of the health sequence: a worker whose allocation latency stays over
-    the threshold gets its prefix cache reset; the lane's other worker keeps serving.
-    (The rolling restart that follows when the reset does not help is not exercised
-    here: the restarted engine core hung on this machine; see the issue's notes.)"""
+    """The health sequence on a worker whose allocation latency stays over the threshold:
+    first its prefix cache is reset; when that does not help, it is drained, its process
+    restarts with a fresh engine, is warmed and reactivated. The lane's other worker serves
+    every job throughout."""
     app, settings = make_app(get_settings()), get_settings()
     assert control.activate(app, stack.redis, settings, pair.a, LANE, "vllm")
     assert control.activate(app, stack.redis, settings, pair.b, LANE, "vllm")
     wait_until(lambda: state_of(stack, pair.b) == "active" == state_of(stack, pair.a), 10,
                "both workers active")
+    old_boot = (heartbeat(stack, pair.b) or {})["boot"]
     app.control.broadcast("tidegate_fault", arguments={"alloc_latency_ms": 900.0},
                           destination=[pair.b], reply=True, timeout=5)
     wait_until(lambda: (heartbeat(stack, pair.b) or {}).get("stats", {}).get(
@@ -182,15 +186,21 @@ def test_high_allocation_latency_gets_the_cheap_fix_while_the_other_serves(
     try:
         first = health.check(app, stack.redis, settings)  # strike one: watch only
         second = health.check(app, stack.redis, settings)  # strike two: the cheap fix
+        third = health.check(app, stack.redis, settings)  # it did not help: restart
     finally:
         stop.set()
         load.join(timeout=120)
     assert first == []
     assert [(a["action"], a["worker"]) for a in second] == [("reset_prefix_cache", pair.b)]
+    assert [(a["action"], a["worker"], a["restarted"], a["reactivated"]) for a in third] == [
+        ("rolling_restart", pair.b, True, True)]
     assert served and all(j["status"] == "done" for j in served)
-    assert state_of(stack, pair.b) == "active" == state_of(stack, pair.a)
-    app.control.broadcast("tidegate_fault", arguments={"alloc_latency_ms": None},
-                          destination=[pair.b], reply=True, timeout=5)
+    wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b's heartbeat to say active")
+    after = heartbeat(stack, pair.b) or {}
+    assert after["boot"] != old_boot  # a new process, with a new engine, serves
+    assert after["stats"]["avg_cache_allocation_latency_ms"] != 900.0  # the fault is gone
+    assert state_of(stack, pair.a) == "active"
+    assert run(stack, pair.key, n=4)  # and the lane serves with both
 
 
 def test_two_beats_running_together_act_once_per_period(stack: Stack, pair: Pair,
