@@ -234,26 +234,60 @@ def stop_all(procs: list[Proc]) -> None:
         proc.stop()
 
 
+PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@contextmanager
+def bench_database(tmp: Path, postgresql: bool) -> Iterator[str]:
+    """A private database for one run: a SQLite file, or with `postgresql` a database of its
+    own on the PostgreSQL at 127.0.0.1:5432 (dropped afterwards), as production runs."""
+    if not postgresql:
+        yield f"sqlite:///{tmp / 'tidegate.db'}"
+        return
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import OperationalError
+
+    name = f"tidegate_bench_{os.getpid()}"
+    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
+            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+    except OperationalError as exc:
+        raise SystemExit(f"this benchmark needs PostgreSQL at 127.0.0.1:5432: {exc}") from None
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        admin.dispose()
+
+
 @contextmanager
 def tidegate_stack(tmp: Path, workers: Mapping[str, str] | Sequence[tuple[str, str]],
-                   slots: int, env: Mapping[str, str] | None = None, pin: bool = False
-                   ) -> Iterator[tuple[str, str, list[Proc]]]:
+                   slots: int, env: Mapping[str, str] | None = None, pin: bool = False,
+                   postgresql: bool = False) -> Iterator[tuple[str, str, list[Proc]]]:
     """Private Redis and SQLite, the workers (lane -> worker name, or (lane, name) pairs
     for several workers of a lane) with `slots` engine slots each, the API; all stopped on
     the way out. `env`: settings on top of the benchmark's own (TIDEGATE_*). `pin`: each
-    worker's engine on a core of its own, round robin (left alone, all bind to core 0)."""
+    worker's engine on a core of its own, round robin (left alone, all bind to core 0).
+    `postgresql`: the store on PostgreSQL (bench_database), else a SQLite file."""
+    pairs = list(workers.items()) if isinstance(workers, Mapping) else list(workers)
+    with bench_database(tmp, postgresql) as db_url:
+        yield from _stack(pairs, slots, env or {}, pin, db_url, tmp / "logs")
+
+
+def _stack(pairs: list[tuple[str, str]], slots: int, env: Mapping[str, str], pin: bool,
+           db_url: str, logs: Path) -> Iterator[tuple[str, str, list[Proc]]]:
     from store import Store, upgrade
 
-    pairs = list(workers.items()) if isinstance(workers, Mapping) else list(workers)
-    names = [name for _, name in pairs]
-    logs, procs = tmp / "logs", []
-    db_url = f"sqlite:///{tmp / 'tidegate.db'}"
+    names, procs = [name for _, name in pairs], []
     try:
         redis_port = free_port()
         procs.append(start_redis(redis_port, logs))
         upgrade(db_url)
         _, key = Store(db_url).create_tenant("bench", sorted({lane for lane, _ in pairs}))
-        full_env = {**tidegate_env(redis_port, db_url, slots), **(env or {})}
+        full_env = {**tidegate_env(redis_port, db_url, slots), **env}
         cores = os.cpu_count() or 1
         procs += [start_worker(full_env, lane, name, logs, cpus=str(i % cores) if pin else None)
                   for i, (lane, name) in enumerate(pairs)]
@@ -279,11 +313,12 @@ def tidegate_session(base: str, key: str) -> Session:
     return session
 
 
-def measure_tidegate(tmp: Path, workers: Mapping[str, str], slots: int,
-                     load: LoadFn) -> tuple[list[Round], dict[str, str]]:
-    log(f"tidegate: starting Redis, SQLite, workers {dict(workers)} ({slots} slots each), API")
+def measure_tidegate(tmp: Path, workers: Mapping[str, str], slots: int, load: LoadFn,
+                     postgresql: bool = False) -> tuple[list[Round], dict[str, str]]:
+    store = "PostgreSQL" if postgresql else "SQLite"
+    log(f"tidegate: starting Redis, {store}, workers {dict(workers)} ({slots} slots each), API")
     start = time.monotonic()
-    with tidegate_stack(tmp, workers, slots) as (base, key, procs):
+    with tidegate_stack(tmp, workers, slots, postgresql=postgresql) as (base, key, procs):
         log(f"tidegate: ready in {time.monotonic() - start:.0f} s")
         info = {"load_before": load_average()}
         rounds = asyncio.run(watched(load(tidegate_session(base, key)), info))
