@@ -98,6 +98,15 @@ class EngineError(RuntimeError):
     """The engine refused or failed a request; the message is safe to show the client."""
 
 
+KV_POLICIES = ("lru", "session")  # EngineConfig.kv_policy: stock LRU, or workers/kvcache
+
+
+def check_kv_policy(policy: str) -> None:
+    """Every adapter refuses an unknown KV policy before it starts anything."""
+    if policy not in KV_POLICIES:
+        raise EngineError(f"unknown KV policy {policy!r}; known: {', '.join(KV_POLICIES)}")
+
+
 class Engine(Protocol):
     kind: str
     config: EngineConfig

@@ -51,6 +51,7 @@ from workers.engine import (
     EngineError,
     EngineRequest,
     EngineStats,
+    check_kv_policy,
     warm_prompts,
 )
 from workers.kvcache.policy import MAX_PRIORITY, SessionMeta, retention
@@ -68,7 +69,6 @@ STATS_IDLE_S = 0.2  # pause between polls when the engine reported nothing
 # TensorRT-LLM reports its finish reasons in its own words; the protocol's are these.
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "timeout": "abort"}
 Precision = tuple[str | None, str | None]  # (weights, KV cache) as QuantAlgo names; None: 16-bit
-KV_POLICIES = ("session", "lru")  # EngineConfig.kv_policy values this adapter knows
 
 
 # --- pure helpers: no tensorrt_llm import below until TrtllmEngine ---------------------
@@ -277,11 +277,6 @@ def retention_ranges(request: EngineRequest, config: EngineConfig) -> RetentionP
     # Decode blocks get the same class: the next turn's prompt is this one, the answer
     # and a new message, so the answer's blocks are part of the prefix it reuses.
     return RetentionPlan(ranges, priority, duration_ms)
-
-
-def check_kv_policy(policy: str) -> None:
-    if policy not in KV_POLICIES:
-        raise EngineError(f"unknown KV policy {policy!r}; known: {', '.join(KV_POLICIES)}")
 
 
 def clamp_priority(priority: int) -> int:

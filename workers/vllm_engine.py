@@ -22,6 +22,7 @@ from workers.engine import (
     EngineError,
     EngineRequest,
     EngineStats,
+    check_kv_policy,
     warm_prompts,
 )
 from workers.kvcache import stats as alloc_stats
@@ -141,11 +142,9 @@ class VllmEngine:
     def _plugin_env(self) -> None:
         """What tidegate's vLLM plugin reads in the engine core process, which vLLM starts
         with this process's environment (workers/kvcache/plugin.py)."""
-        from workers.kvcache import plugin, stats
+        from workers.kvcache import plugin
 
-        if self.config.kv_policy not in plugin.POLICIES:
-            raise EngineError(f"unknown KV policy {self.config.kv_policy!r}; "
-                              f"known: {', '.join(plugin.POLICIES)}")
+        check_kv_policy(self.config.kv_policy)
         if self.config.kv_policy == "session":
             import vllm
 
@@ -156,7 +155,7 @@ class VllmEngine:
         fd, path = tempfile.mkstemp(prefix="tidegate-kv-", suffix=".stats")
         os.close(fd)
         self._alloc_stats_path = Path(path)
-        stats.create(self._alloc_stats_path)
+        alloc_stats.create(self._alloc_stats_path)
         os.environ[plugin.POLICY_ENV] = self.config.kv_policy
         os.environ[plugin.STATS_ENV] = path
 

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from workers.engine import KV_POLICIES
 from workers.kvcache.freequeue import SessionFreeQueue
 from workers.kvcache.policy import DEFAULT_RETENTION, Retention
 from workers.kvcache.stats import AllocStatsWriter
@@ -40,7 +41,6 @@ PINNED_VLLM = "0.32.0"  # the vLLM whose block pool this plugin replaces
 # so an engine started inside a test process cannot leak its choice into later workers.
 POLICY_ENV = "TIDEGATE_VLLM_KV_POLICY"
 STATS_ENV = "TIDEGATE_VLLM_KV_STATS"
-POLICIES = ("lru", "session")
 
 
 class PluginRefused(RuntimeError):
@@ -61,8 +61,8 @@ def register() -> None:
     policy, stats_path = os.environ.get(POLICY_ENV, ""), os.environ.get(STATS_ENV, "")
     if not policy and not stats_path:
         return
-    if policy and policy not in POLICIES:
-        raise PluginRefused(f"{POLICY_ENV}={policy!r}: must be one of {', '.join(POLICIES)}")
+    if policy and policy not in KV_POLICIES:
+        raise PluginRefused(f"{POLICY_ENV}={policy!r}: must be one of {', '.join(KV_POLICIES)}")
     import vllm
 
     try:
