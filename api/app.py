@@ -182,14 +182,16 @@ def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None
         lora=req.lora, route_reason=decision.reason)
     if created:
         turn = _session_turn(deps, job.id, tenant.id, req.session_id)
+        system = _system_prefix(deps, req)
         payload = GeneratePayload(job_id=job.id, lane=req.lane, prompt=prompt,
                                   prompt_tokens=prompt_tokens, sampling=_sampling(req),
                                   session_id=req.session_id, turn=turn,
                                   deadline_at=time.time() + (req.deadline_s or lane.deadline_s),
-                                  lora=req.lora, shared_prefix_tokens=_shared_prefix(deps, req))
+                                  lora=req.lora,
+                                  shared_prefix_tokens=deps.prompts.count_prefix(system))
         _publish(deps, job.id, payload, decision.queue, redis_priority(priority))
         deps.metrics.jobs.labels(req.lane).inc()
-        _sample_traffic(deps, req)
+        _sample_traffic(deps, req, system)
     return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
                        priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
                        created=created)
@@ -213,7 +215,7 @@ def _route(deps: Deps, lane: Lane, req: JobRequest, tenant_id: int) -> Route:
 HOT_KEEP = 50  # distinct system prompts remembered per lane for warm-ups
 
 
-def _sample_traffic(deps: Deps, req: JobRequest) -> None:
+def _sample_traffic(deps: Deps, req: JobRequest, system: str) -> None:
     """Arrivals per lane per minute (the scheduler moves them into the store for its
     forecast), and the lane's system prompts by use (warmed into activated workers)."""
     ns = deps.settings.namespace
@@ -221,18 +223,18 @@ def _sample_traffic(deps: Deps, req: JobRequest) -> None:
     key = keys.arrivals(ns, req.lane, int(time.time() // 60))
     pipe.incr(key)
     pipe.expire(key, 7200)
-    system = [m for m in req.messages or [] if m.role == "system"]
     if system:
         hot = keys.hot_prefixes(ns, req.lane)
-        pipe.zincrby(hot, 1, deps.prompts.render_prefix(system))
+        pipe.zincrby(hot, 1, system)
         pipe.zremrangebyrank(hot, 0, -(HOT_KEEP + 1))
     pipe.execute()
 
 
-def _shared_prefix(deps: Deps, req: JobRequest) -> int:
-    """Tokens of the request's system turn, the prefix its lane's requests share."""
+def _system_prefix(deps: Deps, req: JobRequest) -> str:
+    """The request's rendered system turn, the prefix its lane's requests share ("" if
+    none): rendered once for the KV retention and the hot-prefix sample."""
     system = [m for m in req.messages or [] if m.role == "system"]
-    return deps.prompts.count(deps.prompts.render_prefix(system)) if system else 0
+    return deps.prompts.render_prefix(system) if system else ""
 
 
 def _session_turn(deps: Deps, job_id: str, tenant_id: int, session_id: str | None) -> int:

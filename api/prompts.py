@@ -3,6 +3,7 @@ fit the lane or the model is refused before anything is enqueued."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -33,3 +34,8 @@ class PromptRenderer:
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - one renderer per API process
+    def count_prefix(self, prefix: str) -> int:
+        """Tokens of a system turn; a lane has a few, sent again with every request."""
+        return self.count(prefix) if prefix else 0

@@ -4,6 +4,7 @@ with no worker consuming, so queue lengths show exactly what was enqueued."""
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,6 +143,22 @@ def test_valid_job_is_enqueued_once_with_its_priority(api) -> None:  # type: ign
     assert job.route_reason is not None
     assert "pool trtllm: no healthy active worker" in job.route_reason
     _cleanup(store, client, job.id)
+
+
+def test_the_task_carries_the_system_turns_length_for_kv_retention(api) -> None:  # type: ignore[no-untyped-def]
+    """Engines that keep KV blocks per token range (TensorRT-LLM) learn how long the shared
+    system turn is from the task; a job without one says 0."""
+    http, store, client, key = api
+    system = {"role": "system", "content": "You answer for the shop's service desk."}
+    sent = {}
+    for name, messages in (("with", [system, *OK["messages"]]), ("without", OK["messages"])):
+        resp = post(http, key, {**OK, "messages": messages})
+        assert resp.status_code == 202, resp.text
+        (raw,) = client.lrange("chat.vllm|5", 0, -1)  # the lane's default priority, 4
+        body = json.loads(base64.b64decode(json.loads(raw)["body"]))
+        sent[name] = body[0][0]["shared_prefix_tokens"]
+        _cleanup(store, client, resp.json()["job_id"])
+    assert sent["with"] > 5 and sent["without"] == 0
 
 
 def _cleanup(store: Store, client: redis.Redis, job_id: str) -> None:
