@@ -131,7 +131,16 @@ def _touch(original: Any, pool: Any, blocks: Any) -> None:
 
 
 def _retention(request: Any) -> tuple[Retention, str]:
-    """The request's retention and owner, as the adapter put them in extra_args."""
+    """The request's retention and owner, parsed once: allocate_slots runs for every
+    running request at every scheduler step."""
+    cached = getattr(request, "_tidegate_kv", None)
+    if cached is None:
+        cached = request._tidegate_kv = _parse_retention(request)
+    return cached
+
+
+def _parse_retention(request: Any) -> tuple[Retention, str]:
+    """As the adapter put them in SamplingParams.extra_args."""
     params = getattr(request, "sampling_params", None)
     meta = ((params.extra_args or {}) if params is not None else {}).get("tidegate") or {}
     kv = meta.get("kv")
