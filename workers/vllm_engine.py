@@ -140,8 +140,9 @@ class VllmEngine:
         self._capacity_tokens = int((vcfg.num_gpu_blocks or 0) * vcfg.block_size)
 
     def _plugin_env(self) -> None:
-        """What tidegate's vLLM plugin reads in the engine core process, which vLLM starts
-        with this process's environment (workers/kvcache/plugin.py)."""
+        """What tidegate's vLLM plugins read in the engine's processes, which vLLM starts
+        with this process's environment (workers/kvcache/plugin.py, workers/vllm_wakeup.py)."""
+        from workers import vllm_wakeup
         from workers.kvcache import plugin
 
         check_kv_policy(self.config.kv_policy)
@@ -158,6 +159,7 @@ class VllmEngine:
         alloc_stats.create(self._alloc_stats_path)
         os.environ[plugin.POLICY_ENV] = self.config.kv_policy
         os.environ[plugin.STATS_ENV] = path
+        os.environ[vllm_wakeup.RECHECK_ENV] = str(vllm_wakeup.RECHECK_MS)
 
     def _lora_args(self) -> dict[str, Any]:
         """Engine arguments for the configured LoRA adapters; ids are stable, from 1."""
