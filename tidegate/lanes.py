@@ -67,6 +67,10 @@ class Lane(BaseModel):
     # first real requests hit the prefix cache.
     warm_prompts: list[str] = Field(default_factory=list)
     kv_policy: KvPolicy = Field(default_factory=KvPolicy)
+    # OS niceness of the lane's worker processes and engines (0 normal .. 19 lowest). Where
+    # lanes' workers share a host's cores (their schedulers, detokenizers, CPU engines), a
+    # bulk lane set higher yields the cores to a sensitive one under a peak.
+    cpu_nice: int = Field(0, ge=0, le=19)
 
 
 PRIORITY_MIN, PRIORITY_MAX = 0, 9

@@ -7,6 +7,7 @@ Run with `tidegate worker --lane chat --gpu 0`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import socket
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import click
@@ -231,6 +233,43 @@ def worker_queues(settings: Settings, lane: str, pool: str, name: str) -> list[s
     return [pool_queue(settings.lanes[lane], pool), direct_queue(settings, name)]
 
 
+def lower_cpu_priority(nice: int) -> None:
+    """This process at niceness `nice`, before its threads and engine process start (both
+    inherit it). Linux keeps a niceness per thread, so threads already running are set one
+    by one. Only ever lowers the priority: raising it needs privileges."""
+    if nice <= os.getpriority(os.PRIO_PROCESS, 0):
+        return
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") \
+        else [0]
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    log.info("CPU priority lowered to niceness %d (the lane's cpu_nice)", nice)
+    _session_nice(nice)
+
+
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def _session_nice(nice: int) -> None:
+    """Linux's autogroup scheduling shares the CPU between sessions first, so a niceness
+    only counts against processes of the same session: a worker in a session of its own
+    (tidegate's process tools, systemd and containers start it so) sets its session's
+    niceness too. In someone else's session (a shell's) that would slow the rest of it:
+    left alone, and said."""
+    if not AUTOGROUP.exists():
+        return
+    if os.getsid(0) not in (os.getpid(), os.getppid()):  # the supervisor leads its own
+        log.warning("cpu_nice %d counts only against this session's processes: start the "
+                    "worker in a session of its own (setsid) for it to count against others",
+                    nice)
+        return
+    try:
+        AUTOGROUP.write_text(str(nice))
+    except OSError as exc:
+        log.warning("could not set this session's niceness to %d: %s", nice, exc)
+
+
 def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
                loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm",
                standby: bool = False, cpus: str | None = None) -> None:
@@ -250,6 +289,7 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
         # itself, every engine on a machine binds to the same first core.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     name = name or f"{lane}-{gpu or 'cpu'}-{os.getpid()}@{socket.gethostname()}"
+    lower_cpu_priority(settings.lanes[lane].cpu_nice)
     celery_app.steps["worker"].add(EngineStep)
     # Celery's own option parser learns `--tidegate-lane`; EngineStep receives it.
     for option in ("lane", "pool", "engine"):
