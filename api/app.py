@@ -22,7 +22,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api import limits
-from api.auth import Tenant, authenticate
+from api.admission import Admission, RecentLanes
+from api.auth import Tenant, authenticate, bearer_key, tenant_for_key
 from api.errors import ApiError, bad_request, handle_api_error, not_found, unavailable
 from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
@@ -32,7 +33,7 @@ from store import SessionOwnerError, Store
 from tasks.app import direct_queue, make_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import keys
-from tidegate.events import Event
+from tidegate.events import TERMINAL, Event
 from tidegate.fleet import read_fleet
 from tidegate.lanes import Lane, pool_queue, redis_priority
 from tidegate.settings import Settings, get_settings
@@ -41,6 +42,11 @@ log = logging.getLogger("tidegate.api")
 
 SSE_BLOCK_MS = 15_000
 API_THREADS = 12
+# Submits run on a few threads of their own, most urgent lane first (api/admission.py):
+# enough to overlap their store and broker round trips, few enough that the queue orders.
+SUBMIT_THREADS = 4
+UNKNOWN_LANE_RANK = 100.0
+RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
 FLEET_CACHE_S = 0.25  # an SSE comment is sent this often while a job is quiet
 
 
@@ -57,6 +63,8 @@ class Deps:
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)
         self.metrics = ApiMetrics()
+        self.admission = Admission(SUBMIT_THREADS)
+        self.recent_lanes = RecentLanes(RECENT_JOBS)
         self.metrics.registry.register(FleetCollector(
             lambda: read_fleet(self.sync_redis, settings.namespace)))
         self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
@@ -87,6 +95,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         follower = asyncio.create_task(deps.metrics.follow(deps.redis, settings.namespace))
         yield
         follower.cancel()
+        deps.admission.close()
         await deps.redis.aclose()
 
     app = FastAPI(title="tidegate", version="0.1.0", lifespan=lifespan)
@@ -99,9 +108,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 def _routes(app: FastAPI, deps: Deps) -> None:
     @app.post("/v1/jobs", status_code=202)
     async def submit(request: Request, idempotency_key: str | None = Header(None)) -> JSONResponse:
-        tenant = await authenticate(deps.store, request)
-        req = parse_job_request(await _json_body(request, deps))
-        accepted = await asyncio.to_thread(_enqueue, deps, tenant, req, idempotency_key)
+        key = bearer_key(request)
+        req = await _job_request(request, deps)
+        rank = _lane_rank(deps, req.lane, req.priority)
+        accepted = await deps.admission.run(rank, _admit, deps, key, req, idempotency_key)
         return JSONResponse(accepted.model_dump(), status_code=202 if accepted.created else 200)
 
     @app.get("/v1/jobs/{job_id}")
@@ -121,8 +131,9 @@ def _routes(app: FastAPI, deps: Deps) -> None:
     @app.get("/v1/jobs/{job_id}/events")
     async def events(job_id: str, request: Request,
                      last_event_id: str | None = Header(None)) -> StreamingResponse:
-        tenant = await authenticate(deps.store, request)
-        if await asyncio.to_thread(deps.store.get_job, job_id, tenant.id) is None:
+        key = bearer_key(request)
+        rank = _lane_rank(deps, deps.recent_lanes.get(job_id))  # a stream opened after its submit
+        if await deps.admission.run(rank, _owned_job, deps, key, job_id) is None:
             raise not_found("job")
         after = _parse_last_event_id(last_event_id or request.query_params.get("last_event_id"))
         return StreamingResponse(_sse(deps, job_id, after), media_type="text/event-stream",
@@ -145,6 +156,14 @@ def _routes(app: FastAPI, deps: Deps) -> None:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
+async def _job_request(request: Request, deps: Deps) -> JobRequest:
+    try:
+        return parse_job_request(await _json_body(request, deps))
+    except ApiError:
+        await authenticate(deps.store, request)  # an unknown key hears 401 before a 400
+        raise
+
+
 async def _json_body(request: Request, deps: Deps) -> Any:
     limit = deps.settings.max_body_bytes
     declared = request.headers.get("content-length")
@@ -159,6 +178,27 @@ async def _json_body(request: Request, deps: Deps) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "body", f"body: not valid JSON ({exc})") from None
+
+
+def _lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) -> tuple[float, ...]:
+    """A submit's or a stream opening's place among the waiting ones: by its lane's cpu_nice
+    (the lane that yields the hosts' CPU to the others yields the API's too), then by job
+    priority, then in arrival order."""
+    lane = deps.settings.lanes.get(lane_name or "")
+    if lane is None:
+        return (UNKNOWN_LANE_RANK,)  # a 400 to come, or a job this process did not submit
+    return (lane.cpu_nice, -(lane.default_priority if priority is None else priority))
+
+
+def _admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobAccepted:
+    accepted = _enqueue(deps, tenant_for_key(deps.store, key), req, header_key)
+    deps.recent_lanes.add(accepted.job_id, accepted.lane)
+    return accepted
+
+
+def _owned_job(deps: Deps, key: str, job_id: str) -> Any:
+    """The job, if the key's tenant owns it (else None: another tenant's job is a 404)."""
+    return deps.store.get_job(job_id, tenant_for_key(deps.store, key).id)
 
 
 def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None) -> JobAccepted:
@@ -296,7 +336,8 @@ def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
     client.publish(keys.cancel_channel(ns), job_id)
     if job.started_at is None:  # no worker will ever run it: end its stream here
         done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
-        client.xadd(keys.job_events(ns, job_id), {"e": done.to_json()}, id=keys.stream_id(0))
+        client.xadd(keys.job_events(ns, job_id), {"e": done.to_json(), "k": done.kind},
+                    id=keys.stream_id(0))
         client.expire(keys.job_events(ns, job_id), deps.settings.stream_ttl_s)
     return job
 
@@ -322,16 +363,29 @@ async def _sse(deps: Deps, job_id: str, after: int) -> AsyncIterator[bytes]:
         if not reply:
             yield b": keep-alive\n\n"
             continue
-        for entry_id, fields in reply[0][1]:
-            last_id = entry_id
-            event = Event.from_json(fields[b"e"])
-            yield _sse_frame(event)
-            if event.terminal:
-                return
+        entries = reply[0][1]
+        last_id = entries[-1][0]
+        frames, ended = _sse_frames(entries)
+        yield frames
+        if ended:
+            return
 
 
-def _sse_frame(event: Event) -> bytes:
-    return f"id: {event.seq}\nevent: {event.kind}\ndata: {event.to_json()}\n\n".encode()
+TERMINAL_KINDS = frozenset(kind.encode() for kind in TERMINAL)
+
+
+def _sse_frames(entries: list[Any]) -> tuple[bytes, bool]:
+    """Stream entries as SSE frames in one chunk (one write for all that were waiting), and
+    whether a terminal event ended them. The event's JSON goes out as the worker stored it:
+    only its kind is read, from the entry's own field, so a token costs no parse."""
+    out = bytearray()
+    for entry_id, fields in entries:
+        body = fields[b"e"]
+        kind = fields.get(b"k") or Event.from_json(body).kind.encode()  # entries without it
+        out += b"id: %d\nevent: %s\ndata: %s\n\n" % (keys.seq_of(entry_id), kind, body)
+        if kind in TERMINAL_KINDS:
+            return bytes(out), True
+    return bytes(out), False
 
 
 def _job_json(job: Any) -> dict[str, Any]:

@@ -21,11 +21,22 @@ class Tenant:
 
 
 async def authenticate(store: Store, request: Request) -> Tenant:
+    return await asyncio.to_thread(tenant_for_key, store, bearer_key(request))
+
+
+def bearer_key(request: Request) -> str:
+    """The request's API key; 401 when it carries none (no store lookup)."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
         raise unauthorized("authorization: missing `Authorization: Bearer <API key>` header")
-    record = await asyncio.to_thread(store.tenant_by_key, key.strip())
+    return key.strip()
+
+
+def tenant_for_key(store: Store, key: str) -> Tenant:
+    """The tenant holding `key` (blocking: a store lookup); 401 for an unknown or revoked
+    key."""
+    record = store.tenant_by_key(key)
     if record is None:
         raise unauthorized("authorization: unknown or revoked API key")
     return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),

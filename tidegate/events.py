@@ -7,7 +7,7 @@ Kinds: ``started`` (seq 0), ``token`` (new text of one engine step), then one te
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Kind = Literal["started", "token", "done", "error"]
@@ -24,7 +24,10 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)  # started/done/error details
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"))
+        # Built by hand: asdict() deep-copies, and this runs once per token.
+        body = {"job_id": self.job_id, "seq": self.seq, "kind": self.kind, "text": self.text,
+                "token_ids": self.token_ids, "data": self.data}
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Event:

@@ -35,8 +35,9 @@ class EventPublisher:
         key = keys.job_events(self.ns, event.job_id)
         body = event.to_json()
         pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(key, {"e": body}, id=keys.stream_id(event.seq), maxlen=self.maxlen,
-                  approximate=True)
+        # "k", the kind, lets the API frame SSE without parsing the body.
+        pipe.xadd(key, {"e": body, "k": event.kind}, id=keys.stream_id(event.seq),
+                  maxlen=self.maxlen, approximate=True)
         pipe.publish(keys.job_live(self.ns, event.job_id), body)
         if event.terminal:
             pipe.expire(key, self.ttl_s)

@@ -1,0 +1,121 @@
+"""The API's submit admission (most urgent lane first), SSE framing of stored events, the
+lanes' cpu_nice field and the vLLM wake-up plugin: parts tested without an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from api.admission import Admission, RecentLanes
+from api.app import _sse_frames
+from tidegate.events import Event
+from tidegate.lanes import LanesConfigError, load_lanes
+from workers import vllm_wakeup
+
+FINANCE, CHAT = (0, -7), (10, -4)  # (cpu_nice, -priority) of the shipped lanes
+
+
+async def _order_served(submits: list[tuple[str, tuple[int, int]]]) -> list[str]:
+    """Runs `submits` on one thread held busy until all are queued; the order they ran in."""
+    admission = Admission(threads=1)
+    release, served = threading.Event(), []
+    busy = asyncio.ensure_future(admission.run((0,), release.wait))
+    while admission.waiting():  # the blocker has been taken by the thread
+        await asyncio.sleep(0)
+    calls = [asyncio.ensure_future(admission.run(rank, served.append, name))
+             for name, rank in submits]
+    while admission.waiting() < len(submits):
+        await asyncio.sleep(0)
+    release.set()
+    await asyncio.gather(busy, *calls)
+    admission.close()
+    return served
+
+
+def test_a_finance_submit_waiting_behind_chat_submits_runs_first() -> None:
+    order = asyncio.run(_order_served([("chat-1", CHAT), ("chat-2", CHAT),
+                                       ("finance-1", FINANCE), ("chat-3", CHAT)]))
+    assert order == ["finance-1", "chat-1", "chat-2", "chat-3"]
+
+
+def test_inside_a_lane_higher_priority_first_then_arrival() -> None:
+    order = asyncio.run(_order_served([("p4-a", (10, -4)), ("p9", (10, -9)),
+                                       ("p4-b", (10, -4))]))
+    assert order == ["p9", "p4-a", "p4-b"]
+
+
+def test_an_error_in_a_submit_reaches_its_caller_and_the_thread_serves_on() -> None:
+    def fail() -> None:
+        raise ValueError("lane: unknown lane")
+
+    async def main() -> tuple[str, int]:
+        admission = Admission(threads=1)
+        with pytest.raises(ValueError, match="unknown lane"):
+            await admission.run(FINANCE, fail)
+        result = await admission.run(FINANCE, len, "abc")
+        admission.close()
+        return "ok", result
+
+    assert asyncio.run(main()) == ("ok", 3)
+
+
+def test_recent_lanes_keeps_the_last_jobs_only() -> None:
+    recent = RecentLanes(size=2)
+    for job, lane in (("a", "chat"), ("b", "finance"), ("c", "chat")):
+        recent.add(job, lane)
+    assert [recent.get(j) for j in "abc"] == [None, "finance", "chat"]
+
+
+def _entry(event: Event, with_kind: bool = True) -> tuple[bytes, dict[bytes, bytes]]:
+    fields = {b"e": event.to_json().encode()}
+    if with_kind:
+        fields[b"k"] = event.kind.encode()
+    return f"{event.seq + 1}-0".encode(), fields
+
+
+def test_sse_frames_carry_the_stored_json_and_stop_at_the_terminal_event() -> None:
+    token = Event(job_id="j", seq=1, kind="token", text="héllo\n", token_ids=[5])
+    done = Event(job_id="j", seq=2, kind="done", data={"finish_reason": "length"})
+    started = Event(job_id="j", seq=0, kind="started")
+    # The first entry has no kind field, as an older worker wrote it.
+    chunk, ended = _sse_frames([_entry(started, with_kind=False), _entry(token),
+                                _entry(done), _entry(token)])
+    frames = chunk.decode().split("\n\n")[:-1]
+    assert ended and len(frames) == 3
+    assert frames[0].startswith("id: 0\nevent: started\ndata: ")
+    assert frames[1] == f"id: 1\nevent: token\ndata: {token.to_json()}"
+    assert Event.from_json(frames[1].split("data: ", 1)[1]) == token
+    assert frames[2].startswith("id: 2\nevent: done\n")
+
+
+def test_sse_frames_without_a_terminal_event_say_so() -> None:
+    token = Event(job_id="j", seq=4, kind="token", text="a", token_ids=[1])
+    chunk, ended = _sse_frames([_entry(token)])
+    assert not ended and chunk.startswith(b"id: 4\nevent: token\n")
+
+
+def test_cpu_nice_outside_0_to_19_is_refused_naming_lane_and_field(tmp_path: Path) -> None:
+    lanes = tmp_path / "lanes.toml"
+    lanes.write_text('[lanes.chat]\nqueue = "chat"\ncpu_nice = 20\n')
+    with pytest.raises(LanesConfigError, match="'chat'.*cpu_nice"):
+        load_lanes(lanes)
+
+
+def test_shipped_lanes_let_chat_yield_the_cpu_to_finance() -> None:
+    lanes = load_lanes()
+    assert lanes["finance"].cpu_nice < lanes["chat"].cpu_nice
+
+
+def test_wakeup_plugin_sets_the_recheck_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
+    monkeypatch.delenv(vllm_wakeup.RECHECK_ENV, raising=False)
+    vllm_wakeup.register()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000  # a peer vLLM: untouched
+    monkeypatch.setenv(vllm_wakeup.RECHECK_ENV, "20")
+    vllm_wakeup.register()
+    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20
