@@ -142,6 +142,10 @@ class _CancelWatch:
         if self.ctx.redis.exists(keys.job_cancel(self.ctx.namespace, self.job_id)):
             self.fired = True
             self.ctx.host.cancel(self.job_id)
+            # Stop here even if the engine has already finished and its remaining deltas
+            # wait in the queue: the API told the client "cancelled", so the stream must
+            # not go on to end in `done`/`length`.
+            raise Cancelled(self.job_id)
 
 
 def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState) -> EngineRequest:
