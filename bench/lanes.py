@@ -5,8 +5,9 @@ same mix first come, first served.
 The claim (issue text): the finance lane's TTFT P99 on tidegate is at most 0.3x the peer's
 TTFT P99 for the same (finance) requests.
 
-- tidegate: private redis-server and SQLite, a `finance` worker (FP16 KV cache) and a
-  `chat` worker (FP8 KV cache), SLOTS_PER_WORKER engine slots each, the API.
+- tidegate: private redis-server and a private PostgreSQL database, a `finance` worker
+  (FP16 KV cache) and a `chat` worker (FP8 KV cache where the CPU runs it; cpu_nice 10 as
+  shipped), SLOTS_PER_WORKER engine slots each, the API.
 - peer: `python -m vllm.entrypoints.openai.api_server --max-num-seqs PEER_SEQS` (the same
   slot count in all), default FCFS scheduling, FP16; it has no lanes.
 - load, identical for both: FINANCE + CHAT requests a round, in a fixed-seed shuffled
@@ -48,6 +49,7 @@ from bench.stack import (  # noqa: E402
     tidegate_phases,
     ttfts,
 )
+from tidegate.lanes import load_lanes  # noqa: E402
 
 LANES = ("finance", "chat")
 # Tokens generated per request, to the end (the test checkpoint emits no EOS): a finance
@@ -64,6 +66,7 @@ ROUNDS = 5  # 40 finance requests a system: a p99 that is not just the one slowe
 ORDER_SEED = 20261202  # the request order; sampling itself is unseeded (SEED_NOTE)
 CLAIM_MAX_RATIO = 0.3
 WORKERS = {lane: f"{lane}-lanes@tidegate" for lane in LANES}
+LANES_FILE = ROOT / "tidegate" / "lanes.toml"  # the shipped lanes, as bench/stack.py runs
 
 FINANCE_TOPICS = ["quarterly revenue", "unpaid invoices", "invoice disputes", "revenue by region",
                   "overdue receivables", "credit notes", "deferred revenue", "invoice ageing"]
@@ -144,9 +147,19 @@ def table(tide: dict[str, dict[str, Any]], peer: dict[str, dict[str, Any]]) -> s
     return markdown_table(headers, rows)
 
 
+def chat_kv() -> str:
+    from workers.vllm_engine import cpu_fp8_kv_supported
+
+    return ("FP8 KV cache" if cpu_fp8_kv_supported()
+            else "FP16 KV cache: this CPU has no AVX-512/AMX for vLLM's FP8 one")
+
+
 def setup(m: Measured) -> dict[str, Any]:
-    return {"tidegate": f"1 `finance` worker ({DTYPE}, FP16 KV cache) + 1 `chat` worker "
-                        f"({DTYPE}, FP8 KV cache), {SLOTS_PER_WORKER} engine slots each, API, "
+    lanes = load_lanes(LANES_FILE)
+    return {"tidegate": f"1 `finance` worker ({DTYPE}, FP16 KV cache, cpu_nice "
+                        f"{lanes['finance'].cpu_nice}) + 1 `chat` worker ({DTYPE}, {chat_kv()}, "
+                        f"cpu_nice {lanes['chat'].cpu_nice}), {SLOTS_PER_WORKER} engine slots "
+                        "each, API, "
                         "private redis-server, a private database on the machine's PostgreSQL "
                         "(the production store: SQLite serialises every write of the API and "
                         "both workers behind one file lock)",
@@ -164,8 +177,8 @@ def setup(m: Measured) -> dict[str, Any]:
 
 NOTES = [
     "Precision cannot be matched for chat: one vLLM server has one KV cache dtype, so the "
-    "peer serves chat with an FP16 KV cache where tidegate's chat lane uses FP8. Finance "
-    "(FP16 weights and KV cache) is like for like.",
+    "peer serves chat with an FP16 KV cache where tidegate's chat lane uses FP8 (on a CPU "
+    "that runs it: see the setup). Finance (FP16 weights and KV cache) is like for like.",
     "tidegate has two engines (one per lane) with 8 slots and a 1 GiB KV cache each; the peer "
     "one engine with 16 slots and 1 GiB. The KV cache does not bind here (64 requests of a "
     "few hundred tokens). All engines, the API, Redis and the load client share the same "
@@ -177,16 +190,22 @@ NOTES = [
     "vLLM's CPU backend binds an engine's OpenMP threads to core 0 by default and keeps core "
     "1 for everything else (see 'engine OpenMP cores'): tidegate's two engines time-share "
     "core 0 where the peer's one engine has it alone, so both systems get the same engine "
-    "compute.",
-    "Generation length decides this comparison on a 2-core machine. With 32 tokens a "
-    "request (2026-12-02, SQLite) a request held a peer slot for under a second, the peer's "
-    "finance TTFT p99 was 1.1 s and tidegate's 3.3 s (ratio 2.94): its API submit (p99 "
-    "about 2 s for a burst of 64) and SSE delivery, shared by both lanes and first come "
-    "first served, cost more than the FCFS queue they avoid. With these lengths the "
-    "overload lasts, as a peak does: ratio 0.48 on SQLite (2026-12-03 08:59), then this "
-    "table on PostgreSQL. What is left is CPU: both engines, both workers, the API, Redis, "
-    "PostgreSQL and the load client share two cores, so the finance engine and the API "
-    "submits it needs wait on the chat lane's work, which a GPU per worker would not.",
+    "compute. tidegate's chat lane has cpu_nice 10 (the shipped lanes file): its worker "
+    "and engine yield the cores to finance's when both have work, as lanes sharing a GPU "
+    "host's cores would.",
+    "What made finance's tail (2026-12-03): (1) vLLM's idle engine parks until its core "
+    "process pings it, the ping can be lost, and vLLM rechecks only every 5 s: finance's "
+    "engine idles between bursts, and whole bursts waited 3-11 s for their first token; "
+    "tidegate's plugin (workers/vllm_wakeup.py) rechecks every 20 ms. (2) Linux's autogroup "
+    "scheduler shares the CPU between sessions before niceness counts, so chat's niceness "
+    "did nothing until the worker set its session's too. (3) The API runs submits and "
+    "stream openings most urgent lane first, and frames SSE from the stored JSON without "
+    "parsing it. Before them the ratio was 0.51 (2026-12-03 09:08).",
+    "Generation length matters on a 2-core machine: with 32 tokens a request (2026-12-02, "
+    "SQLite, before the changes above) a request held a peer slot for under a second, and "
+    "tidegate's API submit and SSE delivery, shared by both lanes, cost more than the FCFS "
+    "queue they avoid (ratio 2.94). With answers of a few hundred tokens the overload "
+    "lasts, as a peak does.",
     "A tidegate TPOT near 0 means the job had finished before its SSE stream delivered the "
     "first token, so all its tokens arrived at once: that client-side TPOT says nothing about "
     "the engine.",
