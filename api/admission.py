@@ -1,10 +1,11 @@
-"""The API's submit work, most urgent lane first.
+"""The API's submits and stream openings, most urgent lane first.
 
 A submit's blocking part (key lookup, tokenizing, routing, the job row, the broker publish)
-costs milliseconds of CPU. Under a burst those milliseconds queue, and on a plain thread
-pool a finance job waits behind every chat job that arrived before it. Here the pending
-submits wait in a priority queue, so a more urgent lane's submit starts next, and only a
-few threads run at once, so the queue, not the GIL, decides the order.
+costs milliseconds of CPU, a stream opening's (key lookup, the job row) a little less.
+Under a burst those milliseconds queue, and on a plain thread pool a finance job waits
+behind every chat job that arrived before it. Here the pending calls wait in a priority
+queue, so a more urgent lane's starts next, and only a few threads run at once, so the
+queue, not the GIL, decides the order.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class Admission:
     def __init__(self, threads: int) -> None:
         self._pending: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
         self._arrival = itertools.count()
-        self._threads = [threading.Thread(target=self._serve, name=f"api-submit-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [threading.Thread(target=self._serve, name=f"api-admission-{i}",
+                                          daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
 

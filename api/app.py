@@ -336,7 +336,7 @@ def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
     client.publish(keys.cancel_channel(ns), job_id)
     if job.started_at is None:  # no worker will ever run it: end its stream here
         done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
-        client.xadd(keys.job_events(ns, job_id), {"e": done.to_json(), "k": done.kind},
+        client.xadd(keys.job_events(ns, job_id), done.stream_fields(),  # type: ignore[arg-type]
                     id=keys.stream_id(0))
         client.expire(keys.job_events(ns, job_id), deps.settings.stream_ttl_s)
     return job

@@ -29,6 +29,11 @@ class Event:
                 "token_ids": self.token_ids, "data": self.data}
         return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
 
+    def stream_fields(self) -> dict[str, str]:
+        """The job stream entry: the event's JSON and, apart, its kind, so a reader can
+        frame SSE without parsing the body (api/app.py)."""
+        return {"e": self.to_json(), "k": self.kind}
+
     @classmethod
     def from_json(cls, raw: str | bytes) -> Event:
         body = json.loads(raw)

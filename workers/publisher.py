@@ -33,12 +33,11 @@ class EventPublisher:
     def publish(self, event: Event) -> bool:
         """Append and publish; False when this seq was already appended (a duplicate)."""
         key = keys.job_events(self.ns, event.job_id)
-        body = event.to_json()
+        fields = event.stream_fields()
         pipe = self.r.pipeline(transaction=False)
-        # "k", the kind, lets the API frame SSE without parsing the body.
-        pipe.xadd(key, {"e": body, "k": event.kind}, id=keys.stream_id(event.seq),
+        pipe.xadd(key, fields, id=keys.stream_id(event.seq),  # type: ignore[arg-type]
                   maxlen=self.maxlen, approximate=True)
-        pipe.publish(keys.job_live(self.ns, event.job_id), body)
+        pipe.publish(keys.job_live(self.ns, event.job_id), fields["e"])
         if event.terminal:
             pipe.expire(key, self.ttl_s)
         try:
