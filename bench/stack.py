@@ -48,7 +48,7 @@ from bench.common import (
     write_json,
     write_report,
 )
-from tidegate.procs import Proc, free_port, start_api, start_redis, start_worker, wait_until
+from tidegate_tools.procs import Proc, free_port, start_api, start_redis, start_worker, wait_until
 
 MODEL = ROOT / "data" / "models" / "tidegate-test"
 DTYPE = "float16"
@@ -606,7 +606,7 @@ def run_benchmark(name: str, tidegate: MeasureFn, peer: MeasureFn,
     client shares the cores), reports, prints the markdown and the JSON line last."""
     exit_cleanly_on_signals()
     started = time.monotonic()
-    from tidegate.testmodel import build_test_model
+    from tidegate_tools.testmodel import build_test_model
 
     build_test_model(MODEL)  # reuses an identical build
     tmp = Path(tempfile.mkdtemp(prefix=f"tidegate-{name}-"))

@@ -108,7 +108,7 @@ def nvidia_smi() -> dict[str, Any]:
 def build_checkpoint() -> None:
     """Build the test checkpoint once here, so two suite runs never race to build it."""
     sys.path.insert(0, str(ROOT))
-    from tidegate.testmodel import build_test_model
+    from tidegate_tools.testmodel import build_test_model
 
     build_test_model(MODEL)
 

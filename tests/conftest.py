@@ -1,21 +1,18 @@
-"""Session fixtures: a private Redis, a private SQLite database, the test checkpoint, and a
-stack of real processes (API + one Celery worker per lane hosting vLLM on CPU).
-
-The environment is set before anything reads the settings, so no test ever touches the
-Redis or database of a running demo. Every process started here is stopped at the end,
-whatever the outcome.
+"""What both floors share: the environment, set before anything reads the settings (so no
+test ever touches the Redis or database of a running demo), a temp root and the test
+checkpoint. `tests/unit/` starts no process and opens no socket; `tests/stack/` (its own
+conftest) starts a private Redis, the database and real worker and API processes.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tidegate.procs import free_port
+from tidegate_tools.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TMP = Path(tempfile.mkdtemp(prefix="tidegate-tests-"))
@@ -32,9 +29,6 @@ os.environ.update({
     "TIDEGATE_KV_CACHE_GIB": "1",
 })
 
-pytest_plugins = ["tests.stack"]
-
-
 @pytest.fixture(scope="session")
 def tmp_root() -> Path:
     return TMP
@@ -42,26 +36,6 @@ def tmp_root() -> Path:
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
-    from tidegate.testmodel import build_test_model
+    from tidegate_tools.testmodel import build_test_model
 
     return build_test_model(Path(os.environ["TIDEGATE_MODEL"]))
-
-
-@pytest.fixture(scope="session")
-def redis_server(tmp_root: Path) -> Iterator[str]:
-    from tidegate.procs import start_redis
-
-    proc = start_redis(REDIS_PORT, tmp_root / "logs")
-    try:
-        yield os.environ["TIDEGATE_REDIS_URL"]
-    finally:
-        proc.stop()
-
-
-@pytest.fixture(scope="session")
-def migrated_db() -> str:
-    from store import upgrade
-
-    url = os.environ["TIDEGATE_DATABASE_URL"]
-    upgrade(url)
-    return url

@@ -18,7 +18,7 @@ from typing import Any
 
 from celery.worker.control import control_command
 
-from tidegate.supervise import RESTART_EXIT
+from tidegate_tools.supervise import RESTART_EXIT
 
 log = logging.getLogger("tidegate.worker")
 

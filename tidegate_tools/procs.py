@@ -116,7 +116,7 @@ def ensure_redis(url: str, log_dir: Path) -> Proc | None:
 
 
 def tidegate_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tidegate.cli", *args]
+    return [sys.executable, "-m", "tidegate_tools.cli", *args]
 
 
 def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:

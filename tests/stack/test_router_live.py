@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from api.client import Client
-from tests.stack import Stack
+from tests.helpers import Stack
 from tidegate import keys
-from tidegate.procs import Proc, start_worker, wait_until
+from tidegate_tools.procs import Proc, start_worker, wait_until
 
 PROMPT = "Please check the status of my refund"
 
@@ -30,7 +30,7 @@ class Pools:
 
 @pytest.fixture(scope="module")
 def lora_path(model_path: Path) -> Path:
-    from tidegate.testlora import build_test_lora
+    from tidegate_tools.testlora import build_test_lora
 
     return build_test_lora(model_path, model_path.parent / "tidegate-test-lora")
 

@@ -32,7 +32,7 @@ from store import (
     make_engine,
     upgrade,
 )
-from tests.stack import pg_admin
+from tests.helpers import pg_admin
 
 PG_DATABASE = "tidegate_test_store"
 PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"

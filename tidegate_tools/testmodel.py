@@ -1,7 +1,7 @@
 """A small deterministic Qwen2 checkpoint for tests and the demo, built locally.
 
 No model can be downloaded here, so we make one: a BPE tokenizer trained on the bundled
-corpus (tidegate/corpus/*.txt, English and Chinese customer-service and finance text) and a
+corpus (tidegate_tools/corpus/*.txt, English and Chinese customer-service and finance text) and a
 2-layer Qwen2 model with seeded weights that vLLM on CPU loads.
 
 Two properties matter more than anything the weights "know":

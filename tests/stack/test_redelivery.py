@@ -9,7 +9,7 @@ import uuid
 from api.client import Client
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.stack import Stack
+from tests.helpers import Stack
 from tidegate.events import Event
 from tidegate.settings import get_settings
 from workers.publisher import EventPublisher

@@ -16,11 +16,11 @@ import pytest
 from api.client import Client
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.stack import Stack, engine_stats
+from tests.helpers import Stack, engine_stats
 from tidegate import keys
 from tidegate.events import Event
-from tidegate.procs import wait_until
 from tidegate.settings import get_settings
+from tidegate_tools.procs import wait_until
 from workers.vllm_engine import cpu_fp8_kv_supported
 
 # vLLM's CPU build runs an FP8 KV cache only on AVX-512 or AMX; elsewhere the chat worker
@@ -199,8 +199,8 @@ def test_status_shows_fp8_kv_cache_holding_about_twice_the_tokens(stack: Stack) 
 
     fp16, fp8 = capacity("finance"), capacity("chat")
     assert fp16 > 0 and 1.8 <= fp8 / fp16 <= 2.2
-    out = subprocess.run([sys.executable, "-m", "tidegate.cli", "status"], capture_output=True,
-                         text=True, timeout=60, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "tidegate_tools.cli", "status"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
     assert str(fp8) in rows[stack.workers["chat"]] and " fp8 " in rows[stack.workers["chat"]]
     assert str(fp16) in rows[stack.workers["finance"]]
@@ -283,7 +283,7 @@ def test_prefix_hits_and_allocation_latency_show_in_status_metrics_and_jobs(stac
         wait_until(visible, 120, "the chat worker's heartbeat to show prefix hits")
         with stack.http() as http:
             metrics = http.get("/metrics").text
-        status = subprocess.run([sys.executable, "-m", "tidegate.cli", "status"], text=True,
+        status = subprocess.run([sys.executable, "-m", "tidegate_tools.cli", "status"], text=True,
                                 capture_output=True, timeout=60, check=True).stdout
         job_ids = [f.result() for f in jobs]
 

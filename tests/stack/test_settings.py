@@ -12,7 +12,7 @@ import pytest
 
 def run_cli(env_over: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **env_over}
-    return subprocess.run([sys.executable, "-m", "tidegate.cli", *args], env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "tidegate_tools.cli", *args], env=env, text=True,
                           capture_output=True, timeout=60)
 
 

@@ -5,7 +5,7 @@ of the Qwen2 decoder (attention q/k/v/o, MLP gate/up/down), rank 8, with seeded 
 weights large enough that greedy generation visibly changes when a request names it.
 
 It keeps the test checkpoint's guarantee that special, padding and partial-character ids are
-never generated (see tidegate.testmodel): hidden dimension 0 is the anchor that no layer
+never generated (see tidegate_tools.testmodel): hidden dimension 0 is the anchor that no layer
 writes, so the B matrices of o_proj and down_proj (the layers that write the residual
 stream) have row 0 zero, and, like the base weights, the A matrices of the layers that read
 the residual stream (q/k/v/gate/up) have column 0 zero. lm_head and the embeddings are not
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from tidegate import testmodel
-from tidegate.testmodel import BUILD_FILE
+from tidegate_tools import testmodel
+from tidegate_tools.testmodel import BUILD_FILE
 
 LORA_BUILD_VERSION = 1  # bump when the construction changes, so cached builds are redone
 CONFIG_FILE = "adapter_config.json"
@@ -73,7 +73,7 @@ def build_test_lora(base_dir: Path, out_dir: Path, force: bool = False) -> Path:
     """Build the test LoRA adapter for the checkpoint at base_dir into out_dir.
 
     Reuses an identical earlier build. base_dir must hold a built test checkpoint
-    (tidegate.testmodel.build_test_model); the adapter's shapes come from its config.json.
+    (tidegate_tools.testmodel.build_test_model); the adapter's shapes come from its config.json.
     """
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     base_config = read_base_config(base_dir)

@@ -19,8 +19,8 @@ import httpx
 
 from api.client import AsyncClient, Client
 from store import Store, upgrade
-from tidegate.procs import Proc, ensure_redis, free_port, start_api, start_worker, wait_until
 from tidegate.settings import Settings, get_settings
+from tidegate_tools.procs import Proc, ensure_redis, free_port, start_api, start_worker, wait_until
 
 FINANCE = [{"role": "system", "content": "You summarise accounts for the finance team."},
            {"role": "user", "content": "Summarise this quarter's revenue and invoice totals."}]
@@ -35,7 +35,7 @@ def say(msg: str) -> None:
 
 def prepare(settings: Settings) -> Path:
     if not settings.model:
-        from tidegate.testmodel import build_test_model
+        from tidegate_tools.testmodel import build_test_model
 
         say("building the test checkpoint (cached after the first run)")
         build_test_model(settings.model_path)

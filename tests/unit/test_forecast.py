@@ -1,20 +1,15 @@
-"""The traffic forecast and peak windows as tables of inputs and expected outputs, and the
-store's traffic samples (the forecaster's history) against real SQLite and PostgreSQL."""
+"""The traffic forecast and peak windows as tables of inputs and expected outputs (the
+store's traffic samples, the forecaster's history, are in tests/stack/test_traffic_store.py)."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from datetime import UTC, datetime, time, timedelta, timezone
+from datetime import UTC, datetime, time, timedelta
 from pathlib import Path
 
 import pytest
-from sqlalchemy.exc import OperationalError
 
 from scheduler.forecast import forecast, minute_of, peak_rate_per_s
 from scheduler.peaks import PeakWindow, peak_factor, windows_of
-from store import Store, upgrade
-from tests.stack import pg_admin
 from tidegate.lanes import load_lanes
 
 NOW = datetime(2026, 11, 11, 19, 0, 30, tzinfo=UTC)  # mid-minute: the 19:00 minute is open
@@ -184,60 +179,3 @@ def test_windows_from_the_lanes_file(tmp_path: Path) -> None:
 def test_the_shipped_lanes_file_still_loads() -> None:
     for lane in load_lanes().values():
         assert lane.min_workers <= lane.max_workers
-
-
-# -- traffic samples in the store ----------------------------------------------------
-
-PG_DATABASE = "tidegate_test_traffic"
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'traffic.db'}"
-    else:
-        try:
-            pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
-        except OperationalError as exc:
-            pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
-        pg_admin(f"CREATE DATABASE {PG_DATABASE}")
-        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"
-    upgrade(url)  # the migration, not create_all: 0003 is what production gets
-    st = Store(url)
-    yield st
-    st.close()
-    if request.param == "postgresql":
-        pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
-
-
-def test_arrivals_add_up_per_lane_and_minute(store: Store) -> None:
-    at = datetime(2026, 11, 11, 19, 0, 12, 345, tzinfo=UTC)
-    assert store.record_arrivals("chat", at, 3).arrivals == 3
-    record = store.record_arrivals("chat", at + timedelta(seconds=40), 2)
-    assert (record.minute, record.arrivals) == (minute_of(at), 5)
-    store.record_arrivals("chat", at + MIN)
-    store.record_arrivals("finance", at, 7)
-    eastern = at.astimezone(timezone(timedelta(hours=-5)))  # the same instant, elsewhere
-    assert store.record_arrivals("chat", eastern, 1).arrivals == 6
-    assert store.arrivals("chat", minute_of(at), minute_of(at) + 10 * MIN) == [
-        (minute_of(at), 6), (minute_of(at) + MIN, 1)]
-    # The range is [since, until).
-    assert store.arrivals("chat", minute_of(at), minute_of(at) + MIN) == [(minute_of(at), 6)]
-    assert store.arrivals("finance", minute_of(at) + MIN, minute_of(at) + 5 * MIN) == []
-
-
-def test_concurrent_producers_lose_no_arrival(store: Store) -> None:
-    threads = [threading.Thread(target=lambda: [store.record_arrivals("chat", NOW)
-                                                for _ in range(10)]) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert store.arrivals("chat", T0, T0 + MIN) == [(T0, 80)]
-
-
-def test_bad_samples_are_refused(store: Store) -> None:
-    with pytest.raises(ValueError, match="naive"):
-        store.record_arrivals("chat", datetime(2026, 11, 11, 19, 0))
-    with pytest.raises(ValueError, match="< 0"):
-        store.record_arrivals("chat", NOW, -1)

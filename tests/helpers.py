@@ -3,21 +3,15 @@ tenants and jobs, queue lengths, reading a job's events)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import pytest
 import redis
 
 from store import Store
 from tidegate import keys
 from tidegate.events import Event
-from tidegate.procs import Proc, free_port, start_api, start_worker, wait_until
-
-WORKER_START_S = 240  # two vLLM engines loading at once on two cores
+from tidegate_tools.procs import Proc
 
 
 @dataclass
@@ -58,38 +52,6 @@ def engine_stats(worker: str) -> dict:
                                     timeout=10)
     assert replies, f"worker {worker} did not answer the tidegate_stats control command"
     return replies[0][worker]
-
-
-@pytest.fixture(scope="session")
-def stack(redis_server: str, migrated_db: str, model_path: Path, tmp_root: Path) -> Iterator[Stack]:
-    env = dict(os.environ)
-    logs = tmp_root / "logs"
-    procs: list[Proc] = []
-    workers = {lane: f"{lane}-test@tidegate" for lane in ("finance", "chat")}
-    store = Store(migrated_db)
-    tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat", "support"])
-    port = free_port()
-    try:
-        for core, (lane, name) in enumerate(workers.items()):
-            procs.append(start_worker(env, lane, name, logs, cpus=str(core % 2)))
-        procs.append(start_api(env, port, logs))
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _ready(base, set(workers.values())), WORKER_START_S,
-                   "the API and both workers to be ready", procs, poll_s=0.5)
-        yield Stack(base, key, tenant_id, redis.Redis.from_url(redis_server), store,
-                    env["TIDEGATE_NAMESPACE"], workers, procs)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-
-
-def _ready(base: str, names: set[str]) -> bool:
-    try:
-        resp = httpx.get(f"{base}/readyz", timeout=2)
-    except httpx.HTTPError:
-        return False
-    active = set(resp.json().get("checks", {}).get("workers", {}).get("active", []))
-    return resp.status_code == 200 and names <= active
 
 
 PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"

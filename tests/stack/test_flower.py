@@ -6,8 +6,8 @@ import os
 
 import httpx
 
-from tests.stack import Stack
-from tidegate.procs import Proc, free_port, tidegate_argv, wait_until
+from tests.helpers import Stack
+from tidegate_tools.procs import Proc, free_port, tidegate_argv, wait_until
 
 
 def test_flower_requires_auth_and_sees_the_workers(stack: Stack, tmp_root) -> None:  # type: ignore[no-untyped-def]

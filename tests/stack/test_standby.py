@@ -19,10 +19,10 @@ import pytest
 from api.client import Client
 from scheduler import autoscale, control, health
 from tasks.app import make_app
-from tests.stack import Stack
+from tests.helpers import Stack
 from tidegate import keys
-from tidegate.procs import Proc, start_worker, tidegate_argv, wait_until
 from tidegate.settings import get_settings
+from tidegate_tools.procs import Proc, start_worker, tidegate_argv, wait_until
 
 LANE, QUEUE = "standby", "standby.vllm"
 PROMPT = "Where is my parcel?"

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tidegate.testlora import (
+from tidegate_tools.testlora import (
     CONFIG_FILE,
     LORA_PARAMS,
     PREFIX,
@@ -22,7 +22,7 @@ from tidegate.testlora import (
     WEIGHTS_FILE,
     build_test_lora,
 )
-from tidegate.testmodel import BUILD_FILE
+from tidegate_tools.testmodel import BUILD_FILE
 
 WRITERS = {name for name, (_, reads) in TARGETS.items() if not reads}
 

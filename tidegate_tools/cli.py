@@ -11,8 +11,8 @@ from tidegate.settings import get_settings
 
 
 def _model_build_test(args: argparse.Namespace) -> None:
-    from tidegate.testlora import build_test_lora
-    from tidegate.testmodel import build_test_model
+    from tidegate_tools.testlora import build_test_lora
+    from tidegate_tools.testmodel import build_test_model
 
     models = get_settings().data_dir / "models"
     out = build_test_model(models / "tidegate-test", force=args.force)
@@ -58,7 +58,7 @@ def _tenant(args: argparse.Namespace) -> None:
 
 def _worker(args: argparse.Namespace) -> None:
     if not args.supervised:
-        from tidegate.supervise import supervise
+        from tidegate_tools.supervise import supervise
 
         sys.exit(supervise(sys.argv[1:]))
     from tasks.app import app

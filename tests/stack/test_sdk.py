@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from api.client import AsyncClient, Client, TidegateError
-from tests.stack import Stack
+from tests.helpers import Stack
 from tidegate.events import Event
 
 PROMPT = "The invoice total is"

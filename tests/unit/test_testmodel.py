@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from tidegate.testmodel import BUILD_FILE, build_test_model, corpus_lines
+from tidegate_tools.testmodel import BUILD_FILE, build_test_model, corpus_lines
 
 EN_LINE = "Your refund of $24.99 for order 58213 has been approved."
 ZH_LINE = "您的订单已发货，预计明天送达。"

@@ -21,7 +21,7 @@ LANES = ROOT / "tidegate" / "lanes.toml"  # the shipped lanes, whose `chat` lane
 
 def tidegate(*args: str | Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "TIDEGATE_LANES_FILE": str(LANES)}
-    return subprocess.run([sys.executable, "-m", "tidegate.cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "tidegate_tools.cli", *map(str, args)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=60)
 
 

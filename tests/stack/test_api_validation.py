@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from store import Store, upgrade
-from tests.stack import queue_length
+from tests.helpers import queue_length
 from tidegate import keys
 from tidegate.settings import Settings
 

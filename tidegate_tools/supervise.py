@@ -13,7 +13,7 @@ RESTART_EXIT = 75  # workers/lifecycle.py exits with this to be restarted
 
 
 def supervise(args: list[str]) -> int:
-    argv = [sys.executable, "-m", "tidegate.cli", *args, "--supervised"]
+    argv = [sys.executable, "-m", "tidegate_tools.cli", *args, "--supervised"]
     _become_subreaper()
     while True:
         child = subprocess.Popen(argv)
