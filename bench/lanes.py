@@ -196,9 +196,9 @@ NOTES = [
     "What made finance's tail (2026-12-03): (1) vLLM's idle engine parks until its core "
     "process pings it, the ping can be lost, and vLLM rechecks only every 5 s: finance's "
     "engine idles between bursts, and whole bursts waited 3-11 s for their first token; "
-    "tidegate's plugin (workers/vllm_wakeup.py) rechecks every 20 ms. (2) Linux's autogroup "
-    "scheduler shares the CPU between sessions before niceness counts, so chat's niceness "
-    "did nothing until the worker set its session's too. (3) The API runs submits and "
+    "tidegate's patch (workers/vllm_patches/wakeup.py) rechecks every 20 ms. (2) Linux's "
+    "autogroup scheduler shares the CPU between sessions before niceness counts, so chat's "
+    "niceness did nothing until the worker set its session's too. (3) The API runs submits and "
     "stream openings most urgent lane first, and frames SSE from the stored JSON without "
     "parsing it. Before them the ratio was 0.51 (2026-12-03 09:08).",
     "Generation length matters on a 2-core machine: with 32 tokens a request (2026-12-02, "

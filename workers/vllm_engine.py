@@ -140,26 +140,25 @@ class VllmEngine:
         self._capacity_tokens = int((vcfg.num_gpu_blocks or 0) * vcfg.block_size)
 
     def _plugin_env(self) -> None:
-        """What tidegate's vLLM plugins read in the engine's processes, which vLLM starts
-        with this process's environment (workers/kvcache/plugin.py, workers/vllm_wakeup.py)."""
-        from workers import vllm_wakeup
-        from workers.kvcache import plugin
+        """What tidegate's vLLM patches read in the engine's processes, which vLLM starts
+        with this process's environment (workers/vllm_patches/)."""
+        from workers.vllm_patches import PatchRefused, check_version, kvcache, wakeup
 
         check_kv_policy(self.config.kv_policy)
         if self.config.kv_policy == "session":
             import vllm
 
             try:
-                plugin.check_version(vllm.__version__)
-            except plugin.PluginRefused as exc:
+                check_version(vllm.__version__)
+            except PatchRefused as exc:
                 raise EngineError(str(exc)) from None
         fd, path = tempfile.mkstemp(prefix="tidegate-kv-", suffix=".stats")
         os.close(fd)
         self._alloc_stats_path = Path(path)
         alloc_stats.create(self._alloc_stats_path)
-        os.environ[plugin.POLICY_ENV] = self.config.kv_policy
-        os.environ[plugin.STATS_ENV] = path
-        os.environ[vllm_wakeup.RECHECK_ENV] = str(vllm_wakeup.RECHECK_MS)
+        os.environ[kvcache.POLICY_ENV] = self.config.kv_policy
+        os.environ[kvcache.STATS_ENV] = path
+        os.environ[wakeup.RECHECK_ENV] = str(wakeup.RECHECK_MS)
 
     def _lora_args(self) -> dict[str, Any]:
         """Engine arguments for the configured LoRA adapters; ids are stable, from 1."""

@@ -1,5 +1,5 @@
-"""The API's submit admission (most urgent lane first), SSE framing of stored events, the
-lanes' cpu_nice field and the vLLM wake-up plugin: parts tested without an engine."""
+"""The API's submit admission (most urgent lane first), SSE framing of stored events and
+the lanes' cpu_nice field: parts tested without an engine."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from api.admission import Admission, RecentLanes
 from api.app import _sse_frames
 from tidegate.events import Event
 from tidegate.lanes import LanesConfigError, load_lanes
-from workers import vllm_wakeup
 
 FINANCE, CHAT = (0, -7), (10, -4)  # (cpu_nice, -priority) of the shipped lanes
 
@@ -107,15 +106,3 @@ def test_cpu_nice_outside_0_to_19_is_refused_naming_lane_and_field(tmp_path: Pat
 def test_shipped_lanes_let_chat_yield_the_cpu_to_finance() -> None:
     lanes = load_lanes()
     assert lanes["finance"].cpu_nice < lanes["chat"].cpu_nice
-
-
-def test_wakeup_plugin_sets_the_recheck_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.distributed.device_communicators import shm_broadcast
-
-    monkeypatch.setattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", 5000)
-    monkeypatch.delenv(vllm_wakeup.RECHECK_ENV, raising=False)
-    vllm_wakeup.register()
-    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 5000  # a peer vLLM: untouched
-    monkeypatch.setenv(vllm_wakeup.RECHECK_ENV, "20")
-    vllm_wakeup.register()
-    assert shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS == 20

@@ -1,6 +1,6 @@
 """Session-priority KV cache retention: which prefix blocks to keep when the cache is full.
 
-Pure and engine-agnostic. The vLLM plugin (workers/kvcache/plugin.py), the TensorRT-LLM
+Pure and engine-agnostic. The vLLM patch (workers/vllm_patches/kvcache.py), the TensorRT-LLM
 adapter (its per-request KvCacheRetentionConfig) and the trace simulator
 (workers/kvcache/sim.py, `tidegate kv replay`) all call `retention()` below, and the vLLM
 plugin and the simulator share one eviction queue (workers/kvcache/freequeue.py).

