@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tidegate import keys
+from tidegate.records import Heartbeat
 
 log = logging.getLogger("tidegate.api")
 
@@ -91,7 +92,7 @@ _ENGINE_GAUGES = (
 class FleetCollector(Collector):
     """Engine gauges of every heartbeating worker, read at scrape time."""
 
-    def __init__(self, read: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, read: Callable[[], list[Heartbeat]]) -> None:
         self.read = read
 
     def collect(self) -> Iterable[Metric]:
@@ -99,10 +100,8 @@ class FleetCollector(Collector):
         for name, doc, field in _ENGINE_GAUGES:
             gauge = GaugeMetricFamily(name, doc, labels=["worker", "lane", "engine", "kv_policy"])
             for hb in fleet:
-                stats = hb.get("stats") or {}
-                value = stats.get(field)
-                if isinstance(value, int | float):
-                    gauge.add_metric([hb.get("name", ""), ",".join(hb.get("lanes", [])),
-                                      hb.get("engine", ""), str(stats.get("kv_policy", ""))],
-                                     float(value))
+                value = getattr(hb.stats, field, None)
+                if hb.stats is not None and isinstance(value, int | float):
+                    gauge.add_metric([hb.name, ",".join(hb.lanes), hb.engine,
+                                      hb.stats.kv_policy], float(value))
             yield gauge

@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from api.client import Client, TidegateError  # noqa: E402
@@ -36,7 +34,8 @@ from bench.common import (  # noqa: E402
     write_report,
 )
 from bench.stack import NAMESPACE, exit_cleanly_on_signals, tidegate_env  # noqa: E402
-from tidegate_tools.procs import free_port, start_api, start_redis, start_worker, wait_until  # noqa: E402
+from tidegate_tools.procs import start_worker, wait_until  # noqa: E402
+from tidegate_tools.stack import running_stack  # noqa: E402
 
 LANE, POOL = "chat", "vllm"
 COLD_RUNS, STANDBY_RUNS = 2, 3
@@ -63,14 +62,12 @@ def first_token_s(base: str, key: str, t0: float, timeout_s: float = 300) -> flo
 
 
 def heartbeat_state(redis_url: str, name: str) -> str | None:
-    import json
-
     import redis
 
-    from tidegate import keys
+    from tidegate.fleet import read_heartbeat
 
-    raw = redis.Redis.from_url(redis_url).get(keys.worker_heartbeat(NAMESPACE, name))
-    return json.loads(raw)["state"] if raw else None
+    hb = read_heartbeat(redis.Redis.from_url(redis_url), NAMESPACE, name)
+    return hb.state if hb else None
 
 
 def cold_start(env: dict[str, str], base: str, key: str, logs: Path, i: int) -> float:
@@ -114,36 +111,22 @@ def main() -> int:
     from store import Store, upgrade
 
     tmp = Path(tempfile.mkdtemp(prefix="tidegate-coldstart-"))
-    logs, procs = tmp / "logs", []
+    logs = tmp / "logs"
     started = time.monotonic()
-    try:
-        redis_port = free_port()
-        procs.append(start_redis(redis_port, logs))
-        db_url = f"sqlite:///{tmp / 'tidegate.db'}"
-        upgrade(db_url)
-        _, key = Store(db_url).create_tenant("bench", [LANE])
-        env = tidegate_env(redis_port, db_url, slots=16)
-        port = free_port()
-        procs.append(start_api(env, port, logs))
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: _healthy(base), 60, "the API", procs)
+    db_url = f"sqlite:///{tmp / 'tidegate.db'}"
+    upgrade(db_url)
+    _, key = Store(db_url).create_tenant("bench", [LANE])
+    env = tidegate_env(db_url, slots=16)
+    with running_stack(env, [], logs, private_redis=True, timeout_s=60) as stack:
+        env["TIDEGATE_REDIS_URL"] = stack.redis_url or ""
+        base = stack.base_url
         cold = []
         for i in range(COLD_RUNS):
             cold.append(cold_start(env, base, key, logs, i))
             log(f"cold start {i + 1}: {cold[-1]:.1f} s")
         warm = standby_runs(env, base, key, logs)
         log(f"standby activations: {', '.join(f'{t:.2f} s' for t in warm)}")
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
     return report(cold, warm, time.monotonic() - started)
-
-
-def _healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def report(cold: list[float], warm: list[float], wall_s: float) -> int:

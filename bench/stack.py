@@ -21,7 +21,6 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
-    Collection,
     Coroutine,
     Iterator,
     Mapping,
@@ -48,7 +47,9 @@ from bench.common import (
     write_json,
     write_report,
 )
-from tidegate_tools.procs import Proc, free_port, start_api, start_redis, start_worker, wait_until
+from tidegate_tools.pg import private_database
+from tidegate_tools.procs import Proc, free_port, wait_until
+from tidegate_tools.stack import WorkerSpec, running_stack
 
 MODEL = ROOT / "data" / "models" / "tidegate-test"
 DTYPE = "float16"
@@ -208,33 +209,16 @@ def check_done(sample: Sample, done: dict[str, Any] | None) -> Sample:
     return sample
 
 
-def tidegate_env(redis_port: int, db_url: str, slots: int) -> dict[str, str]:
+def tidegate_env(db_url: str, slots: int) -> dict[str, str]:
+    """The benchmark's settings; the stack launcher adds its private Redis."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path,
-            "TIDEGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
             "TIDEGATE_DATABASE_URL": db_url, "TIDEGATE_DATA_DIR": str(ROOT / "data"),
             "TIDEGATE_MODEL": str(MODEL), "TIDEGATE_NAMESPACE": NAMESPACE,
             "TIDEGATE_LANES_FILE": str(ROOT / "tidegate" / "lanes.toml"),
             "TIDEGATE_ENGINE_SLOTS": str(slots),
             "TIDEGATE_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
             "TIDEGATE_KV_CACHE_GIB": KV_CACHE_GIB, "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB}
-
-
-def tidegate_ready(base: str, workers: Collection[str]) -> bool:
-    try:
-        resp = httpx.get(f"{base}/readyz", timeout=2)
-    except httpx.HTTPError:
-        return False
-    active = resp.json().get("checks", {}).get("workers", {}).get("active", [])
-    return resp.status_code == 200 and all(w in active for w in workers)
-
-
-def stop_all(procs: list[Proc]) -> None:
-    for proc in reversed(procs):  # API, then workers, then Redis
-        proc.stop()
-
-
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
 @contextmanager
@@ -244,61 +228,37 @@ def bench_database(tmp: Path, postgresql: bool) -> Iterator[str]:
     if not postgresql:
         yield f"sqlite:///{tmp / 'tidegate.db'}"
         return
-    from sqlalchemy import create_engine
     from sqlalchemy.exc import OperationalError
 
-    name = f"tidegate_bench_{os.getpid()}"
-    admin = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name}")
-            conn.exec_driver_sql(f"CREATE DATABASE {name}")
+        with private_database(f"tidegate_bench_{os.getpid()}") as url:
+            yield url
     except OperationalError as exc:
         raise SystemExit(f"this benchmark needs PostgreSQL at 127.0.0.1:5432: {exc}") from None
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-        admin.dispose()
 
 
 @contextmanager
 def tidegate_stack(tmp: Path, workers: Mapping[str, str] | Sequence[tuple[str, str]],
                    slots: int, env: Mapping[str, str] | None = None, pin: bool = False,
                    postgresql: bool = False) -> Iterator[tuple[str, str, list[Proc]]]:
-    """Private Redis and SQLite, the workers (lane -> worker name, or (lane, name) pairs
+    """Private Redis and database, the workers (lane -> worker name, or (lane, name) pairs
     for several workers of a lane) with `slots` engine slots each, the API; all stopped on
     the way out. `env`: settings on top of the benchmark's own (TIDEGATE_*). `pin`: each
     worker's engine on a core of its own, round robin (left alone, all bind to core 0).
     `postgresql`: the store on PostgreSQL (bench_database), else a SQLite file."""
-    pairs = list(workers.items()) if isinstance(workers, Mapping) else list(workers)
-    with bench_database(tmp, postgresql) as db_url:
-        yield from _stack(pairs, slots, env or {}, pin, db_url, tmp / "logs")
-
-
-def _stack(pairs: list[tuple[str, str]], slots: int, env: Mapping[str, str], pin: bool,
-           db_url: str, logs: Path) -> Iterator[tuple[str, str, list[Proc]]]:
     from store import Store, upgrade
 
-    names, procs = [name for _, name in pairs], []
-    try:
-        redis_port = free_port()
-        procs.append(start_redis(redis_port, logs))
+    pairs = list(workers.items()) if isinstance(workers, Mapping) else list(workers)
+    cores = os.cpu_count() or 1
+    specs = [WorkerSpec(lane, name, cpus=str(i % cores) if pin else None)
+             for i, (lane, name) in enumerate(pairs)]
+    with bench_database(tmp, postgresql) as db_url:
         upgrade(db_url)
         _, key = Store(db_url).create_tenant("bench", sorted({lane for lane, _ in pairs}))
-        full_env = {**tidegate_env(redis_port, db_url, slots), **env}
-        cores = os.cpu_count() or 1
-        procs += [start_worker(full_env, lane, name, logs, cpus=str(i % cores) if pin else None)
-                  for i, (lane, name) in enumerate(pairs)]
-        port = free_port()
-        procs.append(start_api(full_env, port, logs))
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: tidegate_ready(base, names), START_TIMEOUT_S,
-                   f"tidegate's /readyz with workers {sorted(names)} active", procs, poll_s=0.5)
-        yield base, key, procs
-    finally:
-        stop_all(procs)
+        full_env = {**tidegate_env(db_url, slots), **(env or {})}
+        with running_stack(full_env, specs, tmp / "logs", private_redis=True,
+                           timeout_s=START_TIMEOUT_S) as stack:
+            yield stack.base_url, key, stack.procs
 
 
 def tidegate_session(base: str, key: str) -> Session:

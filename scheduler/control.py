@@ -18,6 +18,7 @@ from celery import Celery
 from tidegate import keys
 from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue
+from tidegate.records import WorkerState
 from tidegate.settings import Settings
 
 log = logging.getLogger("tidegate.scheduler")
@@ -27,13 +28,17 @@ CONTROL_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Desired:
-    state: str  # active | standby
+    state: WorkerState  # active | standby
     queue: str  # the pool queue the worker consumes when active
 
 
 def desired(client: Any, settings: Settings) -> dict[str, Desired]:
     raw = client.hgetall(keys.desired_states(settings.namespace))
-    return {k.decode(): Desired(**json.loads(v)) for k, v in raw.items()}
+    return {k.decode(): _desired(json.loads(v)) for k, v in raw.items()}
+
+
+def _desired(body: dict[str, str]) -> Desired:
+    return Desired(state=WorkerState(body["state"]), queue=body["queue"])
 
 
 def _record(client: Any, settings: Settings, worker: str, want: Desired) -> None:
@@ -68,7 +73,7 @@ def activate(app: Celery, client: Any, settings: Settings, worker: str, lane: st
     warm_prefixes: prompt prefixes already rendered (recorded from traffic by the API).
     """
     queue = pool_queue(settings.lanes[lane], pool)
-    _record(client, settings, worker, Desired("active", queue))
+    _record(client, settings, worker, Desired(WorkerState.ACTIVE, queue))
     if warm_prompts or warm_prefixes:
         app.control.broadcast("tidegate_warm", arguments={
             "prompts": list(warm_prefixes or []), "system_prompts": list(warm_prompts or [])},
@@ -83,7 +88,7 @@ def deactivate(app: Celery, client: Any, settings: Settings, worker: str, lane: 
     """Stops the worker consuming its pool queue, then waits until its in-flight jobs are
     finished; True when it drained in time."""
     queue = pool_queue(settings.lanes[lane], pool)
-    _record(client, settings, worker, Desired("standby", queue))
+    _record(client, settings, worker, Desired(WorkerState.STANDBY, queue))
     app.control.cancel_consumer(queue, destination=[worker], reply=True,
                                 timeout=CONTROL_TIMEOUT_S)
     end = time.monotonic() + drain_timeout_s
@@ -108,16 +113,16 @@ def reconcile(app: Celery, client: Any, settings: Settings) -> list[str]:
     direct queue, whatever it was told before."""
     wanted, actions = desired(client, settings), []
     for hb in read_fleet(client, settings.namespace):
-        want = wanted.get(hb["name"])
-        if want is None or hb.get("state") in ("starting", "restarting"):
+        want = wanted.get(hb.name)
+        if want is None or hb.state in (WorkerState.STARTING, WorkerState.RESTARTING):
             continue
-        consuming = want.queue in hb.get("consuming", [])
-        if want.state == "active" and not consuming:
-            ok = add_consumer(app, hb["name"], want.queue)
-            actions.append(f"re-activated {hb['name']} on {want.queue}"
+        consuming = want.queue in hb.consuming
+        if want.state == WorkerState.ACTIVE and not consuming:
+            ok = add_consumer(app, hb.name, want.queue)
+            actions.append(f"re-activated {hb.name} on {want.queue}"
                            + ("" if ok else " (not confirmed yet)"))
-        elif want.state == "standby" and consuming:
-            app.control.cancel_consumer(want.queue, destination=[hb["name"]], reply=True,
+        elif want.state == WorkerState.STANDBY and consuming:
+            app.control.cancel_consumer(want.queue, destination=[hb.name], reply=True,
                                         timeout=CONTROL_TIMEOUT_S)
-            actions.append(f"returned {hb['name']} to standby")
+            actions.append(f"returned {hb.name} to standby")
     return actions

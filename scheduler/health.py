@@ -14,7 +14,8 @@ from celery import Celery
 
 from scheduler import control
 from tidegate import keys
-from tidegate.fleet import read_fleet
+from tidegate.fleet import read_fleet, read_heartbeat
+from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
 
 STRIKES_TO_ACT = 2  # consecutive checks over the threshold before acting
@@ -25,23 +26,23 @@ def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
     fleet = read_fleet(client, settings.namespace)
     actions: list[dict[str, Any]] = []
     for hb in fleet:
-        latency = (hb.get("stats") or {}).get("avg_cache_allocation_latency_ms")
-        if hb.get("state") != "active" or latency is None:
+        latency = hb.stats.avg_cache_allocation_latency_ms if hb.stats else None
+        if hb.state != WorkerState.ACTIVE or latency is None:
             continue
-        strikes_key = keys.health_strikes(settings.namespace, hb["name"])
+        strikes_key = keys.health_strikes(settings.namespace, hb.name)
         if latency <= settings.alloc_latency_threshold_ms:
             client.delete(strikes_key)
             continue
         strikes = int(client.hincrby(strikes_key, "strikes", 1))
-        client.expire(strikes_key, 600)
+        client.expire(strikes_key, keys.HEALTH_STRIKES_TTL_S)
         if strikes >= STRIKES_TO_ACT:
             actions.append(_act(app, client, settings, hb, fleet, latency))
     return actions
 
 
-def _act(app: Celery, client: Any, settings: Settings, hb: dict[str, Any],
-         fleet: list[dict[str, Any]], latency: float) -> dict[str, Any]:
-    name = hb["name"]
+def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
+         fleet: list[Heartbeat], latency: float) -> dict[str, Any]:
+    name = hb.name
     strikes_key = keys.health_strikes(settings.namespace, name)
     base = {"worker": name, "alloc_latency_ms": latency}
     if not client.hget(strikes_key, "reset"):
@@ -49,9 +50,9 @@ def _act(app: Celery, client: Any, settings: Settings, hb: dict[str, Any],
         app.control.broadcast("tidegate_reset_prefix_cache", destination=[name], reply=True,
                               timeout=control.CONTROL_TIMEOUT_S)
         return {**base, "action": "reset_prefix_cache"}
-    lane = hb["lanes"][0]
-    others = [w for w in fleet if w["name"] != name and w.get("state") == "active"
-              and lane in w.get("lanes", [])]
+    lane = hb.lane
+    others = [w for w in fleet if w.name != name and w.state == WorkerState.ACTIVE
+              and lane in w.lanes]
     if len(others) < getattr(settings.lanes[lane], "min_workers", 1):
         return {**base, "action": "restart_deferred",
                 "reason": f"lane {lane} would drop below its minimum of active workers"}
@@ -65,25 +66,24 @@ def _act(app: Celery, client: Any, settings: Settings, hb: dict[str, Any],
         client.delete(strikes_key)
 
 
-def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str | None) -> bool:
+def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str) -> bool:
     """Until the worker heartbeats from a new process with its engine loaded."""
     end = time.monotonic() + RESTART_TIMEOUT_S
     while time.monotonic() < end:
-        raw = client.get(keys.worker_heartbeat(settings.namespace, name))
-        hb = json.loads(raw) if raw else {}
-        if hb.get("boot") not in (None, old_boot) and hb.get("state") == "standby":
+        hb = read_heartbeat(client, settings.namespace, name)
+        if hb is not None and hb.boot != old_boot and hb.state == WorkerState.STANDBY:
             return True
         time.sleep(0.5)
     return False
 
 
 def rolling_restart(app: Celery, client: Any, settings: Settings,
-                    hb: dict[str, Any]) -> dict[str, Any]:
-    name, lane, pool = hb["name"], hb["lanes"][0], hb["pool"]
+                    hb: Heartbeat) -> dict[str, Any]:
+    name, lane, pool = hb.name, hb.lane, hb.pool
     drained = control.deactivate(app, client, settings, name, lane, pool)
     app.control.broadcast("tidegate_restart_engine", destination=[name], reply=True,
                           timeout=control.CONTROL_TIMEOUT_S)
-    restarted = _wait_restarted(client, settings, name, hb.get("boot"))
+    restarted = _wait_restarted(client, settings, name, hb.boot)
     warm = settings.lanes[lane].warm_prompts
     active = restarted and control.activate(app, client, settings, name, lane, pool,
                                             warm_prompts=warm)

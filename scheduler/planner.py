@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from scheduler.router import DEFAULT_JOB_MS, WorkerView
+from tidegate.records import WorkerState
 
 P99 = 0.99
 
@@ -48,7 +49,7 @@ def capacity_from(fleet: Sequence[WorkerView], lane: str) -> Capacity | None:
     """Mean figures of the lane's active workers; None when no active worker reports.
 
     A worker that has not finished a job yet is assumed at the router's default."""
-    views = [w for w in fleet if w.state == "active" and lane in w.lanes]
+    views = [w for w in fleet if w.state == WorkerState.ACTIVE and lane in w.lanes]
     if not views:
         return None
     service_s = sum((w.mean_job_ms or DEFAULT_JOB_MS) for w in views) / len(views) / 1000.0

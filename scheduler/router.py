@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from tidegate.lanes import Lane, pool_queue
+from tidegate.records import Heartbeat, WorkerState
 
 DEFAULT_JOB_MS = 1000.0  # service time assumed for a worker that has not finished a job yet
 
@@ -33,7 +33,7 @@ class WorkerView:
     name: str
     pool: str
     lanes: frozenset[str]
-    state: str  # starting | standby | active | draining
+    state: WorkerState
     slots: int
     running: int = 0
     waiting: int = 0
@@ -49,13 +49,11 @@ class WorkerView:
         return self.busy >= self.slots
 
     @classmethod
-    def from_heartbeat(cls, hb: Mapping[str, Any]) -> WorkerView:
-        stats = hb.get("stats") or {}
-        return cls(name=hb["name"], pool=hb.get("pool", hb.get("engine", "vllm")),
-                   lanes=frozenset(hb.get("lanes", [])), state=hb.get("state", ""),
-                   slots=int(hb.get("slots", 1)), running=int(stats.get("running", 0)),
-                   waiting=int(stats.get("waiting", 0)), lora=frozenset(hb.get("lora", [])),
-                   mean_job_ms=hb.get("mean_job_ms"))
+    def from_heartbeat(cls, hb: Heartbeat) -> WorkerView:
+        running, waiting = (hb.stats.running, hb.stats.waiting) if hb.stats else (0, 0)
+        return cls(name=hb.name, pool=hb.pool, lanes=frozenset(hb.lanes), state=hb.state,
+                   slots=hb.slots, running=running, waiting=waiting, lora=frozenset(hb.lora),
+                   mean_job_ms=hb.mean_job_ms)
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ def route(lane: Lane, fleet: Sequence[WorkerView], backlog: Mapping[str, int],
           direct_queue: Callable[[str], str], *, lora: str | None = None,
           session_worker: str | None = None) -> Route:
     """`backlog` maps a queue name to the messages waiting in it."""
-    healthy = [w for w in fleet if w.state == "active" and lane.name in w.lanes]
+    healthy = [w for w in fleet if w.state == WorkerState.ACTIVE and lane.name in w.lanes]
     if lora is not None:
         return _route_lora(lane, healthy, lora, direct_queue)
     sticky = next((w for w in healthy if w.name == session_worker), None)

@@ -43,8 +43,8 @@ def record_action(client: Any, namespace: str, action: dict[str, Any]) -> None:
     """Every action the scheduler takes, for `tidegate status`, Flower and the tests."""
     body = {"ts": time.time(), **action}
     log.info("scheduler action: %s", json.dumps(body))
-    client.xadd(keys.scheduler_actions(namespace), {"a": json.dumps(body)}, maxlen=10_000,
-                approximate=True)
+    client.xadd(keys.scheduler_actions(namespace), {"a": json.dumps(body)},
+                maxlen=keys.ACTIONS_MAXLEN, approximate=True)
 
 
 def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:

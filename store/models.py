@@ -26,15 +26,12 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-QUEUED = "queued"
-RUNNING = "running"
-DONE = "done"
-ERROR = "error"
-CANCELLED = "cancelled"
-EXPIRED = "expired"
-JOB_STATUSES = (QUEUED, RUNNING, DONE, ERROR, CANCELLED, EXPIRED)
-ACTIVE_STATUSES = frozenset({QUEUED, RUNNING})
-TERMINAL_STATUSES = frozenset({DONE, ERROR, CANCELLED, EXPIRED})
+from tidegate.records import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatus  # noqa: F401
+
+# The statuses are tidegate.records.JobStatus; the store's modules use these short names.
+QUEUED, RUNNING, DONE = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.DONE
+ERROR, CANCELLED, EXPIRED = JobStatus.ERROR, JobStatus.CANCELLED, JobStatus.EXPIRED
+JOB_STATUSES = tuple(JobStatus)
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -110,7 +107,7 @@ class Job(Base):
     queue: Mapped[str] = mapped_column(String(255))
     priority: Mapped[int] = mapped_column(Integer)
     session_id: Mapped[str | None] = mapped_column(String(255), index=True)
-    status: Mapped[str] = mapped_column(String(16), default=QUEUED)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.QUEUED.value)
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     sampling: Mapped[dict[str, Any]] = mapped_column(JSON)
     prompt_tokens: Mapped[int] = mapped_column(Integer)

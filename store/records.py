@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from store.models import TERMINAL_STATUSES, ChatSession, Job, Tenant, TrafficSample
+from tidegate.records import JobStatus
 
 
 class TenantExistsError(ValueError):
@@ -52,7 +53,7 @@ class JobRecord:
     queue: str
     priority: int
     session_id: str | None
-    status: str
+    status: JobStatus
     idempotency_key: str | None
     sampling: dict[str, Any]
     prompt_tokens: int
@@ -113,6 +114,7 @@ _JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
 def job_record(job: Job) -> JobRecord:
     values = {name: getattr(job, name) for name in _JOB_FIELDS}
     values["sampling"] = dict(job.sampling or {})  # a copy: the record must not alias ORM state
+    values["status"] = JobStatus(job.status)
     return JobRecord(**values)
 
 

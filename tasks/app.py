@@ -1,21 +1,23 @@
 """The Celery app shared by the API, workers, beat and Flower.
 
 Broker options must be identical in every process that talks to the broker: they are
-built here from the settings and nowhere else.
+built here from the settings and nowhere else. One app per process: `celery_app()` for
+a process that runs on the environment's settings (a worker, Flower), `make_app` where a
+process holds its own settings object (the API and the scheduler take theirs at start).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from celery import Celery
 from kombu import Exchange, Queue
 
 from tasks.payloads import GENERATE, GeneratePayload
+from tidegate import keys
 from tidegate.lanes import Lane, pool_queue
 from tidegate.settings import Settings, get_settings
-
-PRIORITY_STEPS = list(range(10))  # name all ten: the default [0,3,6,9] merges 0-2
 
 
 def visibility_timeout_s(lanes: dict[str, Lane]) -> int:
@@ -25,8 +27,7 @@ def visibility_timeout_s(lanes: dict[str, Lane]) -> int:
 
 
 def direct_queue(settings: Settings, worker_name: str) -> str:
-    """Each worker's own queue: session affinity and scheduler-steered work."""
-    return f"{settings.namespace}.direct.{worker_name}"
+    return keys.direct_queue(settings.namespace, worker_name)
 
 
 def _queue(name: str) -> Queue:
@@ -56,8 +57,8 @@ def make_app(settings: Settings) -> Celery:
                      for pool in lane.pools],
         broker_connection_retry_on_startup=True,
         broker_transport_options={
-            "priority_steps": PRIORITY_STEPS,
-            "sep": "|",
+            "priority_steps": list(keys.PRIORITY_STEPS),
+            "sep": keys.PRIORITY_SEP,
             "queue_order_strategy": "priority",
             "visibility_timeout": visibility_timeout_s(lanes),
         },
@@ -71,15 +72,20 @@ def make_app(settings: Settings) -> Celery:
     return app
 
 
+@functools.lru_cache(maxsize=1)
+def celery_app() -> Celery:
+    """This process's app, on the environment's settings."""
+    return make_app(get_settings())
+
+
 def queue_lengths(client: Any, queues: list[str]) -> dict[str, int]:
-    """Messages waiting per queue, summed over its ten priority sub-lists (kombu names
-    them `queue`, `queue|1` .. `queue|9`)."""
+    """Messages waiting per queue, summed over its ten priority sub-lists."""
     pipe = client.pipeline(transaction=False)
     for queue in queues:
-        for step in PRIORITY_STEPS:
-            pipe.llen(queue if step == 0 else f"{queue}|{step}")
+        for sublist in keys.queue_sublists(queue):
+            pipe.llen(sublist)
     counts = pipe.execute()
-    n = len(PRIORITY_STEPS)
+    n = len(keys.PRIORITY_STEPS)
     return {q: int(sum(counts[i * n:(i + 1) * n])) for i, q in enumerate(queues)}
 
 
@@ -95,5 +101,3 @@ def send_generate(app: Celery, payload: GeneratePayload, queue: str, priority: i
     # No Celery `expires`: an expired message would be dropped without a trace and its
     # job row would stay `queued` forever. The worker ends late jobs `expired` instead.
 
-
-app = make_app(get_settings())

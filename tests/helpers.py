@@ -46,9 +46,9 @@ def queue_length(client: redis.Redis, queue: str) -> int:
 
 
 def engine_stats(worker: str) -> dict:
-    from tasks.app import app
+    from tasks.app import celery_app
 
-    replies = app.control.broadcast("tidegate_stats", reply=True, destination=[worker],
+    replies = celery_app().control.broadcast("tidegate_stats", reply=True, destination=[worker],
                                     timeout=10)
     assert replies, f"worker {worker} did not answer the tidegate_stats control command"
     return replies[0][worker]

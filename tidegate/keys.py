@@ -11,15 +11,27 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:job:{id}:cancel``       | string  | API             | ``stream_ttl_s``                  |
 | ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
 | ``{ns}:finished``              | stream  | worker          | ``FINISHED_MAXLEN`` entries       |
-| ``{ns}:worker:{name}``         | string  | worker          | heartbeat, 5 x ``heartbeat_s``    |
-| ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | 120 s (fixed one-minute windows)  |
+| ``{ns}:worker:{name}``         | string  | worker          | heartbeat, ``heartbeat_ttl_s``    |
+| ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | ``RATE_WINDOW_TTL_S``             |
 | ``{ns}:desired``               | hash    | scheduler       | worker -> desired state and queue |
 | ``{ns}:lock:{name}:{period}``  | string  | scheduler       | two periods (one beat acts)       |
-| ``{ns}:actions``               | stream  | scheduler       | 10,000 entries                    |
-| ``{ns}:health:{worker}``       | hash    | scheduler       | 600 s (strikes, reset done)       |
-| ``{ns}:arrivals:{lane}:{min}`` | counter | API             | until the scheduler moves it      |
-| ``{ns}:hot:{lane}``            | zset    | API             | rendered system prompts by use    |
+| ``{ns}:actions``               | stream  | scheduler       | ``ACTIONS_MAXLEN`` entries        |
+| ``{ns}:health:{worker}``       | hash    | scheduler       | ``HEALTH_STRIKES_TTL_S``          |
+| ``{ns}:arrivals:{lane}:{min}`` | counter | API             | ``ARRIVALS_TTL_S``, or until the  |
+|                                |         |                 | scheduler moves it to the store   |
+| ``{ns}:hot:{lane}``            | zset    | API             | ``HOT_PREFIXES_KEPT`` members     |
 | ``{ns}:activation_s``          | list    | scheduler       | last 20 activation times          |
+
+Celery queues (kombu's lists on the broker's Redis; no namespace, the broker's DB keeps
+deployments apart):
+
+| queue                          | consumed by                                         |
+|--------------------------------|-----------------------------------------------------|
+| ``{lane queue}.{pool}``        | the active workers of that lane's pool              |
+| ``{ns}.direct.{worker}``       | one worker: session affinity, LoRA, scheduler steps |
+
+kombu keeps one list per priority step: ``queue`` for step 0, then ``queue|1`` ..
+``queue|9`` (``queue_sublists``); Redis serves step 0 first.
 
 Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so SSE's
 ``Last-Event-ID`` maps straight onto ``XREAD`` and a duplicate append is refused by Redis.
@@ -29,6 +41,33 @@ from __future__ import annotations
 
 LEASE_TTL_S = 30  # a running job's lease; renewed every heartbeat while it generates
 FINISHED_MAXLEN = 100_000  # summaries of finished jobs kept for the API's metrics
+HEARTBEAT_PERIODS = 5  # a heartbeat lives this many periods: a dead worker is gone after it
+RATE_WINDOW_TTL_S = 120  # a one-minute rate window, kept past its minute for late readers
+ARRIVALS_TTL_S = 7200  # arrival counters the scheduler did not move (it was down) expire
+HEALTH_STRIKES_TTL_S = 600  # a worker's strikes are forgotten after quiet checks
+ACTIONS_MAXLEN = 10_000  # scheduler actions kept for `tidegate status`
+HOT_PREFIXES_KEPT = 50  # distinct system prompts remembered per lane for warm-ups
+PRIORITY_STEPS = tuple(range(10))  # kombu's sub-lists: name all ten, the default merges 0-2
+PRIORITY_SEP = "|"
+
+
+def heartbeat_ttl_s(heartbeat_s: float) -> int:
+    return int(heartbeat_s * HEARTBEAT_PERIODS) + 1
+
+
+def pool_queue(lane_queue: str, pool: str) -> str:
+    """The queue every worker of `pool` serving a lane consumes."""
+    return f"{lane_queue}.{pool}"
+
+
+def direct_queue(ns: str, worker: str) -> str:
+    """Each worker's own queue: session affinity and scheduler-steered work."""
+    return f"{ns}.direct.{worker}"
+
+
+def queue_sublists(queue: str) -> list[str]:
+    """kombu's lists of one queue, priority step 0 first."""
+    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
 
 
 def job_events(ns: str, job_id: str) -> str:

@@ -9,6 +9,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tidegate import keys
+
 DEFAULT_LANES_FILE = Path(__file__).with_name("lanes.toml")
 
 
@@ -85,8 +87,8 @@ def redis_priority(public: int) -> int:
 
 
 def pool_queue(lane: Lane, pool: str) -> str:
-    """The queue every worker of `pool` serving `lane` consumes."""
-    return f"{lane.queue}.{pool}"
+    """The queue every worker of `pool` serving `lane` consumes (named in tidegate.keys)."""
+    return keys.pool_queue(lane.queue, pool)
 
 
 class LanesConfigError(ValueError):

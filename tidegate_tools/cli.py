@@ -61,10 +61,10 @@ def _worker(args: argparse.Namespace) -> None:
         from tidegate_tools.supervise import supervise
 
         sys.exit(supervise(sys.argv[1:]))
-    from tasks.app import app
+    from tasks.app import celery_app
     from workers.service import run_worker
 
-    run_worker(app, args.lane, args.gpu, args.name, args.loglevel, pool=args.pool,
+    run_worker(celery_app(), args.lane, args.gpu, args.name, args.loglevel, pool=args.pool,
                engine=args.engine, standby=args.standby, cpus=args.cpus)
 
 
@@ -79,10 +79,10 @@ def _api(args: argparse.Namespace) -> None:
 
 
 def _flower(args: argparse.Namespace) -> None:
-    from tasks.app import app
+    from tasks.app import celery_app
 
     s = get_settings()
-    app.start(["flower", f"--port={args.port or s.flower_port}", "--address=127.0.0.1",
+    celery_app().start(["flower", f"--port={args.port or s.flower_port}", "--address=127.0.0.1",
                f"--basic-auth={s.flower_user}:{s.flower_password}"])
 
 
@@ -93,7 +93,7 @@ def _scheduler(args: argparse.Namespace) -> None:
 
 
 def _status(_: argparse.Namespace) -> None:
-    from tidegate.fleet import print_fleet
+    from tidegate_tools.status import print_fleet
 
     print_fleet(get_settings())
 

@@ -15,12 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from api.client import AsyncClient, Client
 from store import Store, upgrade
+from tidegate.records import JobStatus
 from tidegate.settings import Settings, get_settings
-from tidegate_tools.procs import Proc, ensure_redis, free_port, start_api, start_worker, wait_until
+from tidegate_tools.procs import ensure_redis
+from tidegate_tools.stack import WorkerSpec, running_stack
 
 FINANCE = [{"role": "system", "content": "You summarise accounts for the finance team."},
            {"role": "user", "content": "Summarise this quarter's revenue and invoice totals."}]
@@ -45,35 +45,18 @@ def prepare(settings: Settings) -> Path:
     return settings.data_dir / "demo-logs"
 
 
-def start_stack(settings: Settings, logs: Path, procs: list[Proc]) -> str:
-    env = dict(os.environ)
-    names = []
+def workers(settings: Settings) -> list[WorkerSpec]:
+    """One worker per lane, each engine on a core of its own, like one GPU per worker
+    (vLLM's CPU build otherwise binds every engine to the same core)."""
     cores = os.cpu_count() or 1
-    for i, lane in enumerate(settings.lanes):
-        name = f"{lane}-demo-{os.getpid()}@localhost"
-        names.append(name)
-        # One core per engine, like one GPU per worker (vLLM's CPU build otherwise binds
-        # every engine to the same core).
-        procs.append(start_worker(env, lane, name, logs, cpus=str((cores - 1 - i) % cores)))
-    port = settings.api_port if _port_free(settings.api_port) else free_port()
-    procs.append(start_api(env, port, logs))
-    base = f"http://127.0.0.1:{port}"
-    say(f"starting the API on {base} and {len(names)} workers (logs in {logs})")
-    started = time.monotonic()
+    return [WorkerSpec(lane, f"{lane}-demo-{os.getpid()}@localhost",
+                       cpus=str((cores - 1 - i) % cores))
+            for i, lane in enumerate(settings.lanes)]
 
-    def ready() -> bool:
-        try:
-            body = httpx.get(f"{base}/readyz", timeout=2).json()
-        except (httpx.HTTPError, ValueError):
-            return False
-        active = set(body.get("checks", {}).get("workers", {}).get("active", []))
-        if int(time.monotonic() - started) % 10 == 0:
-            say(f"  waiting for engines to load... {time.monotonic() - started:.0f} s")
-        return set(names) <= active
 
-    wait_until(ready, ENGINE_START_S, "the API and workers", procs, poll_s=1.0)
-    say(f"ready after {time.monotonic() - started:.0f} s")
-    return base
+def waiting(seconds: float) -> None:
+    if int(seconds) % 10 == 0:
+        say(f"  waiting for engines to load... {seconds:.0f} s")
 
 
 def _port_free(port: int) -> bool:
@@ -121,7 +104,7 @@ async def burst(base: str, key: str, n: int = 32) -> None:
 
 
 def report(store: Store, tenant_id: int) -> None:
-    jobs = [j for j in store.jobs_of_tenant(tenant_id) if j.status == "done"]
+    jobs = [j for j in store.jobs_of_tenant(tenant_id) if j.status == JobStatus.DONE]
     print("\n| lane | jobs | queue wait p50 (ms) | TTFT p50 (ms) | TTFT max (ms) | TPOT p50 (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for lane in sorted({j.lane for j in jobs}):
@@ -136,24 +119,33 @@ def report(store: Store, tenant_id: int) -> None:
 def main() -> None:
     settings = get_settings()
     logs = prepare(settings)
-    procs: list[Proc] = []
     redis_proc = ensure_redis(settings.redis_url, logs)
     if redis_proc:
         say(f"no Redis answered at {settings.redis_url}: started a private one")
-        procs.append(redis_proc)
+    specs = workers(settings)
+    port = settings.api_port if _port_free(settings.api_port) else None
+    say(f"starting the API and {len(specs)} workers (logs in {logs})")
+    started = time.monotonic()
     try:
-        base = start_stack(settings, logs, procs)
-        store = Store(settings.db_url)
-        tenant, key = store.create_tenant(f"demo-{int(time.time())}", list(settings.lanes))
-        with Client(base, key) as client:
-            stream_one(client, "finance", FINANCE)
-            stream_one(client, "chat", CHAT)
-        asyncio.run(burst(base, key))
-        report(store, tenant.id)
+        with running_stack(os.environ, specs, logs, api_port=port, timeout_s=ENGINE_START_S,
+                           waiting=waiting) as stack:
+            say(f"ready after {time.monotonic() - started:.0f} s: the API on {stack.base_url}")
+            run_jobs(settings, stack.base_url)
     finally:
-        say("stopping everything the demo started")
-        for proc in reversed(procs):
-            proc.stop()
+        if redis_proc is not None:
+            say("stopping the private Redis")
+            redis_proc.stop()
+
+
+def run_jobs(settings: Settings, base: str) -> None:
+    store = Store(settings.db_url)
+    tenant, key = store.create_tenant(f"demo-{int(time.time())}", list(settings.lanes))
+    with Client(base, key) as client:
+        stream_one(client, "finance", FINANCE)
+        stream_one(client, "chat", CHAT)
+    asyncio.run(burst(base, key))
+    report(store, tenant.id)
+    say("stopping everything the demo started")
 
 
 if __name__ == "__main__":

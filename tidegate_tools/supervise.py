@@ -9,7 +9,7 @@ import subprocess
 import sys
 from types import FrameType
 
-RESTART_EXIT = 75  # workers/lifecycle.py exits with this to be restarted
+from tidegate.records import RESTART_EXIT
 
 
 def supervise(args: list[str]) -> int:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from tidegate.lanes import KvPolicy
+from tidegate.records import EngineStats  # crosses processes in the heartbeat
 
 
 @dataclass(frozen=True)
@@ -54,33 +55,6 @@ class Delta:
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache
-
-
-@dataclass
-class EngineStats:
-    """What the engine itself reports; sampled by heartbeats and control commands."""
-
-    kind: str = ""
-    running: int = 0
-    waiting: int = 0
-    max_running_seen: int = 0  # highest running count of any step since start
-    kv_usage: float = 0.0  # fraction of KV blocks in use
-    kv_cache_dtype: str = ""
-    kv_capacity_tokens: int = 0
-    prefix_queries_tokens: int = 0
-    prefix_hits_tokens: int = 0
-    finished_by_reason: dict[str, int] = field(default_factory=dict)  # engine counters
-    unfinished: int = 0  # requests the engine holds right now (live, not per step)
-    aborted: int = 0  # requests aborted while the engine still held them
-    kv_policy: str = ""  # the eviction order the engine runs
-    # Mean time per scheduler step spent allocating KV cache, recent steps (None: unknown).
-    avg_cache_allocation_latency_ms: float | None = None
-    kv_evictions: int = 0  # cached blocks reused for new contents
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        queries = self.prefix_queries_tokens
-        return self.prefix_hits_tokens / queries if queries else 0.0
 
 
 async def warm_prompts(engine: Engine, prompts: list[str]) -> None:

@@ -19,6 +19,7 @@ from store import Store
 from tasks.payloads import GeneratePayload
 from tidegate import keys
 from tidegate.events import Event
+from tidegate.records import JobStatus
 from workers.engine import Delta, EngineError, EngineRequest
 from workers.host import Cancelled, DeadlineExceeded, EngineHost
 from workers.publisher import EventPublisher, StreamState
@@ -37,7 +38,6 @@ class WorkerContext:
     publisher: EventPublisher
     host: EngineHost
     lanes: list[str] = field(default_factory=list)
-    outcomes: dict[str, int] = field(default_factory=dict)  # deliveries by outcome
     mean_job_ms: float | None = None  # moving average of a job's run time, for the router
 
     def record_job_ms(self, ms: float) -> None:
@@ -189,7 +189,7 @@ def _emit(ctx: WorkerContext, job_id: str, progress: _Progress, kind: Any, *, te
 
 def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
               finish_reason: str) -> str:
-    ctx.store.finish_job(payload.job_id, "done", finish_reason=finish_reason,
+    ctx.store.finish_job(payload.job_id, JobStatus.DONE, finish_reason=finish_reason,
                          output_text=progress.text, completion_tokens=len(progress.token_ids),
                          finished_at=datetime.now(UTC))
     job = ctx.store.get_job(payload.job_id)
@@ -203,12 +203,12 @@ def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
         "tpot_ms": job.tpot_ms if job else None,
     }
     _emit(ctx, payload.job_id, progress, "done", data=data)
-    _summarise(ctx, payload, "done", job)
+    _summarise(ctx, payload, JobStatus.DONE, job)
     return "done"
 
 
 def _end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress) -> str:
-    ctx.store.finish_job(payload.job_id, "cancelled", finish_reason="cancelled",
+    ctx.store.finish_job(payload.job_id, JobStatus.CANCELLED, finish_reason="cancelled",
                          output_text=progress.text, completion_tokens=len(progress.token_ids),
                          finished_at=datetime.now(UTC))
     _emit(ctx, payload.job_id, progress, "done", data={
@@ -219,7 +219,7 @@ def _end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: _Prog
 
 
 def _end_expired(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress) -> str:
-    ctx.store.finish_job(payload.job_id, "expired", finish_reason="deadline",
+    ctx.store.finish_job(payload.job_id, JobStatus.EXPIRED, finish_reason="deadline",
                          output_text=progress.text, completion_tokens=len(progress.token_ids),
                          error="the job's deadline passed", finished_at=datetime.now(UTC))
     _emit(ctx, payload.job_id, progress, "error",
@@ -234,7 +234,7 @@ def _fail(ctx: WorkerContext, job_id: str, code: str, message: str,
         if state.terminal:
             return
         progress = _Progress(state.next_seq, state.text, list(state.token_ids))
-    ctx.store.finish_job(job_id, "error", error=message, output_text=progress.text,
+    ctx.store.finish_job(job_id, JobStatus.ERROR, error=message, output_text=progress.text,
                          completion_tokens=len(progress.token_ids), finished_at=datetime.now(UTC))
     _emit(ctx, job_id, progress, "error", data={"code": code, "message": message})
 

@@ -21,6 +21,8 @@ from scheduler import autoscale, control, health
 from tasks.app import make_app
 from tests.helpers import Stack
 from tidegate import keys
+from tidegate.fleet import read_heartbeat
+from tidegate.records import Heartbeat
 from tidegate.settings import get_settings
 from tidegate_tools.procs import Proc, start_worker, tidegate_argv, wait_until
 
@@ -43,14 +45,23 @@ class Pair:
                                          standby=standby, cpus=core)
 
 
-def heartbeat(stack: Stack, name: str) -> dict | None:
-    raw = stack.redis.get(keys.worker_heartbeat(stack.namespace, name))
-    return json.loads(raw) if raw else None
+def heartbeat(stack: Stack, name: str) -> Heartbeat | None:
+    return read_heartbeat(stack.redis, stack.namespace, name)
 
 
 def state_of(stack: Stack, name: str) -> str | None:
     hb = heartbeat(stack, name)
-    return hb["state"] if hb else None
+    return hb.state if hb else None
+
+
+def boot_of(stack: Stack, name: str) -> str | None:
+    hb = heartbeat(stack, name)
+    return hb.boot if hb else None
+
+
+def alloc_latency_ms(stack: Stack, name: str) -> float | None:
+    hb = heartbeat(stack, name)
+    return hb.stats.avg_cache_allocation_latency_ms if hb and hb.stats else None
 
 
 @pytest.fixture(scope="module")
@@ -97,10 +108,10 @@ def test_a_standby_worker_takes_no_lane_job_until_activated(stack: Stack, pair: 
 
 def test_activation_survives_a_worker_restart(stack: Stack, pair: Pair) -> None:
     app, settings = make_app(get_settings()), get_settings()
-    old_boot = (heartbeat(stack, pair.b) or {})["boot"]
+    old_boot = boot_of(stack, pair.b)
     pair.procs["b"].stop()
     pair.start("b", standby=True)  # comes back consuming its direct queue only
-    wait_until(lambda: (heartbeat(stack, pair.b) or {}).get("boot") != old_boot
+    wait_until(lambda: boot_of(stack, pair.b) not in (None, old_boot)
                and state_of(stack, pair.b) == "standby", 240, "b to come back in standby",
                [pair.procs["b"]], poll_s=0.5)
     actions = control.reconcile(app, stack.redis, settings)
@@ -168,11 +179,11 @@ def test_high_allocation_latency_gets_the_cheap_fix_then_a_rolling_restart(
     assert control.activate(app, stack.redis, settings, pair.b, LANE, "vllm")
     wait_until(lambda: state_of(stack, pair.b) == "active" == state_of(stack, pair.a), 10,
                "both workers active")
-    old_boot = (heartbeat(stack, pair.b) or {})["boot"]
+    old_boot = boot_of(stack, pair.b)
     app.control.broadcast("tidegate_fault", arguments={"alloc_latency_ms": 900.0},
                           destination=[pair.b], reply=True, timeout=5)
-    wait_until(lambda: (heartbeat(stack, pair.b) or {}).get("stats", {}).get(
-        "avg_cache_allocation_latency_ms") == 900.0, 10, "b to report the forced latency")
+    wait_until(lambda: alloc_latency_ms(stack, pair.b) == 900.0, 10,
+               "b to report the forced latency")
 
     served: list[dict] = []
     stop = threading.Event()
@@ -196,9 +207,8 @@ def test_high_allocation_latency_gets_the_cheap_fix_then_a_rolling_restart(
         ("rolling_restart", pair.b, True, True)]
     assert served and all(j["status"] == "done" for j in served)
     wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b's heartbeat to say active")
-    after = heartbeat(stack, pair.b) or {}
-    assert after["boot"] != old_boot  # a new process, with a new engine, serves
-    assert after["stats"]["avg_cache_allocation_latency_ms"] != 900.0  # the fault is gone
+    assert boot_of(stack, pair.b) != old_boot  # a new process, with a new engine, serves
+    assert alloc_latency_ms(stack, pair.b) != 900.0  # the fault is gone
     assert state_of(stack, pair.a) == "active"
     assert run(stack, pair.key, n=4)  # and the lane serves with both
 

@@ -1,0 +1,96 @@
+"""The one stack launcher: `make demo`, the stack tests and the benchmarks start tidegate's
+processes (an optional private Redis, one worker per entry, the API) with it, wait for
+them with its one readiness poll, and have them all stopped on the way out, also when a
+start fails."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tidegate_tools.procs import Proc, free_port, start_api, start_redis, start_worker, wait_until
+
+START_TIMEOUT_S = 240.0  # vLLM engines loading at once on two cores
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    lane: str
+    name: str  # its Celery node name
+    cpus: str | None = None  # CPU build: the cores its engine is pinned to
+    pool: str | None = None  # default: its engine's kind
+
+
+@dataclass
+class RunningStack:
+    base_url: str  # the API
+    workers: list[str]  # worker names
+    procs: list[Proc] = field(default_factory=list)  # in start order: Redis, workers, API
+    redis_url: str | None = None  # the private Redis, when the launcher started one
+
+
+def api_ready(base_url: str, workers: Collection[str]) -> bool:
+    """The API answers /readyz with 200 and every one of `workers` heartbeats `active`; with
+    no worker to wait for, /healthz answers 200."""
+    if not workers:
+        try:
+            return httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        resp = httpx.get(f"{base_url}/readyz", timeout=2)
+        active = resp.json().get("checks", {}).get("workers", {}).get("active", [])
+    except (httpx.HTTPError, ValueError):
+        return False
+    return resp.status_code == 200 and set(workers) <= set(active)
+
+
+@contextmanager
+def running_stack(env: Mapping[str, str], workers: Sequence[WorkerSpec], logs: Path, *,
+                  private_redis: bool = False, api_port: int | None = None,
+                  timeout_s: float = START_TIMEOUT_S,
+                  waiting: Callable[[float], None] | None = None) -> Iterator[RunningStack]:
+    """Starts the stack and yields it once ready; stops every process it started on exit.
+
+    env: the processes' environment (TIDEGATE_* settings). private_redis: a redis-server
+    of its own on a free port, its URL put in the processes' TIDEGATE_REDIS_URL.
+    waiting: called with the seconds waited so far, about once a second, while engines load.
+    """
+    env = dict(env)
+    stack = RunningStack(base_url="", workers=[w.name for w in workers])
+    try:
+        if private_redis:
+            port = free_port()
+            stack.procs.append(start_redis(port, logs))
+            stack.redis_url = env["TIDEGATE_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
+        # Workers first: their engines load while the API starts.
+        stack.procs += [start_worker(env, w.lane, w.name, logs, pool=w.pool, cpus=w.cpus)
+                        for w in workers]
+        port = api_port or free_port()
+        stack.procs.append(start_api(env, port, logs))
+        stack.base_url = f"http://127.0.0.1:{port}"
+        _wait_ready(stack, timeout_s, waiting)
+        yield stack
+    finally:
+        for proc in reversed(stack.procs):
+            proc.stop()
+
+
+def _wait_ready(stack: RunningStack, timeout_s: float,
+                waiting: Callable[[float], None] | None) -> None:
+    started, told = time.monotonic(), [0]
+
+    def ready() -> bool:
+        waited = time.monotonic() - started
+        if waiting is not None and int(waited) > told[0]:
+            told[0] = int(waited)
+            waiting(waited)
+        return api_ready(stack.base_url, stack.workers)
+
+    wait_until(ready, timeout_s, f"the API's /readyz with workers {sorted(stack.workers)} "
+               "active", stack.procs, poll_s=0.5)

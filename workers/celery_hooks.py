@@ -1,0 +1,171 @@
+"""Everything Celery calls in a worker process, in one module: the generate task, the
+bootstep that loads the engine before the consumer starts, the signals, and the control
+commands the scheduler steers workers with. Each reaches the process's one `Worker`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import click
+from celery import Celery, bootsteps
+from celery.signals import worker_ready, worker_shutting_down
+from celery.worker.control import control_command, inspect_command
+
+from tasks.payloads import GENERATE
+from tidegate.records import RESTART_EXIT
+from tidegate.settings import get_settings
+from workers.engine import Engine, EngineConfig
+from workers.worker import Phase, Worker, current, set_current
+
+log = logging.getLogger("tidegate.worker")
+
+ENGINES = ("vllm", "trtllm")
+OPTIONS = ("lane", "pool", "engine")  # `--tidegate-<option>`, handed to EngineStep
+
+
+def register(app: Celery) -> None:
+    """The generate task, the engine bootstep and its options, on this process's app."""
+    app.task(name=GENERATE, bind=True, acks_late=True)(generate)
+    app.steps["worker"].add(EngineStep)
+    for option in OPTIONS:  # Celery's own option parser learns `--tidegate-lane`
+        app.user_options["worker"].add(
+            click.Option((f"--tidegate-{option}",), default="", help=f"tidegate {option}"))
+
+
+def generate(task: Any, body: dict[str, Any]) -> str:
+    return current().run(body)
+
+
+def make_engine(lane: str, kind: str) -> Engine:
+    settings = get_settings()
+    profile = settings.lanes[lane]
+    config = EngineConfig(
+        model=str(settings.model_path), dtype=profile.dtype,
+        kv_cache_dtype=profile.kv_cache_dtype, max_model_len=settings.max_model_len,
+        slots=settings.engine_slots, kv_cache_gib=settings.kv_cache_gib,
+        quantization=profile.quantization, lora_adapters=settings.lora,
+        kv_policy=settings.kv_policy, kv_params=profile.kv_policy,
+        kv_cache_blocks=settings.kv_cache_blocks or None,
+        kv_block_size=settings.kv_block_size or None,
+    )
+    if kind == "trtllm":
+        from workers.trtllm_engine import TrtllmEngine
+
+        return TrtllmEngine(config)
+    from workers.vllm_engine import VllmEngine
+
+    return VllmEngine(config)
+
+
+class EngineStep(bootsteps.StartStopStep):
+    """Loads and warms the engine before the consumer takes any task."""
+
+    requires = {"celery.worker.components:Pool"}
+
+    def __init__(self, worker: Any, tidegate_lane: str = "chat", tidegate_pool: str = "",
+                 tidegate_engine: str = "vllm", **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.lane, self.engine = tidegate_lane, tidegate_engine
+        self.pool = tidegate_pool or tidegate_engine
+
+    def start(self, worker: Any) -> None:
+        me = Worker(get_settings(), worker.hostname, self.lane, self.pool, worker)
+        set_current(me)
+        me.load(make_engine(self.lane, self.engine))
+
+    def stop(self, worker: Any) -> None:
+        current().stop()
+
+
+@worker_ready.connect
+def _ready(**_: Any) -> None:
+    current().phase = Phase.READY
+
+
+@worker_shutting_down.connect
+def _draining(**_: Any) -> None:
+    current().phase = Phase.DRAINING
+
+
+# -- control commands (app.control.broadcast(name, destination=[worker])) -------------
+
+
+@inspect_command(name="tidegate_stats")
+def tidegate_stats(state: Any) -> dict[str, Any]:
+    """Engine stats on demand, with the worker's state, jobs in flight and outcomes."""
+    me = current()
+    stats = me.engine_stats()
+    in_flight, outcomes = me.counts()
+    return {**(stats.to_dict() if stats else {}), "state": me.state(), "outcomes": outcomes,
+            "in_flight": in_flight}
+
+
+@control_command(args=[("prompts", list), ("system_prompts", list)],
+                 signature="<prompts> <system_prompts>")
+def tidegate_warm(state: Any, prompts: list[str] | None = None,
+                  system_prompts: list[str] | None = None) -> dict[str, Any]:
+    """Runs prompts through the engine so their prefixes sit in its KV cache; system
+    prompts are first rendered as the start of a chat with the model's template."""
+    started = time.monotonic()
+    texts = list(prompts or []) + [render_system(p) for p in system_prompts or []]
+    current().host.warm(texts)
+    return {"ok": True, "warmed": len(texts), "ms": (time.monotonic() - started) * 1000}
+
+
+_tokenizers: dict[str, Any] = {}
+
+
+def render_system(prompt: str) -> str:
+    """The chat-template rendering of a conversation's system turn: the prefix every
+    request of that conversation starts with."""
+    model = str(get_settings().model_path)
+    if model not in _tokenizers:
+        from transformers import AutoTokenizer
+
+        _tokenizers[model] = AutoTokenizer.from_pretrained(model)
+    tok = _tokenizers[model]
+    if not getattr(tok, "chat_template", None):
+        return prompt
+    return str(tok.apply_chat_template([{"role": "system", "content": prompt}], tokenize=False))
+
+
+@control_command()
+def tidegate_reset_prefix_cache(state: Any) -> dict[str, Any]:
+    """The cheap fix for a slow allocator: drop the cached prefixes."""
+    return {"ok": bool(current().host.reset_prefix_cache())}
+
+
+@control_command()
+def tidegate_restart_engine(state: Any) -> dict[str, Any]:
+    """Restarts the worker with a fresh engine; the scheduler drains it first.
+
+    The worker process exits with RESTART_EXIT and its supervisor (`tidegate worker`)
+    starts a fresh one in standby. A second engine inside the same process, or in the same
+    pid after exec, hung here while its engine core started; a new process does not.
+    """
+    current().phase = Phase.RESTARTING
+    threading.Thread(target=_exit_for_restart, name="restart", daemon=True).start()
+    return {"ok": True, "restarting": True}
+
+
+def _exit_for_restart() -> None:
+    time.sleep(0.5)  # let the control reply reach the scheduler
+    try:
+        current().stop()  # the engine core is a child process: stop it first
+    except Exception:
+        log.exception("engine shutdown before restart failed; restarting anyway")
+    log.warning("worker process exits to be restarted by its supervisor")
+    os._exit(RESTART_EXIT)
+
+
+@control_command(args=[("alloc_latency_ms", float)], signature="<alloc_latency_ms>")
+def tidegate_fault(state: Any, alloc_latency_ms: float | None = None) -> dict[str, Any]:
+    """Fault injection: report this allocation latency until the next engine restart."""
+    current().forced_alloc_latency_ms = alloc_latency_ms
+    log.warning("fault injected: reporting allocation latency %s ms", alloc_latency_ms)
+    return {"ok": True}
