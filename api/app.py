@@ -1,14 +1,15 @@
-"""FastAPI application: jobs, SSE token streams, health and metrics."""
+"""FastAPI application: jobs, SSE token streams, health and metrics.
+
+HTTP only: routes, bodies, headers and streams. What a submit checks and does is
+api/submit.py, which knows nothing of HTTP."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import logging
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -21,24 +22,21 @@ from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api import limits
 from api.admission import Admission, RecentLanes
-from api.auth import Tenant, authenticate, bearer_key, tenant_for_key
-from api.errors import ApiError, bad_request, handle_api_error, not_found, unavailable
+from api.auth import authenticate, bearer_key, tenant_for_key
+from api.errors import ApiError, bad_request, not_found
 from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest, parse_job_request
-from scheduler.router import NoRoute, Route, WorkerView, route
-from store import SessionOwnerError, Store
-from tasks.app import direct_queue, make_app, queue_lengths, send_generate
-from tasks.payloads import GeneratePayload, Sampling
+from api.submit import submit as submit_job
+from scheduler.router import WorkerView
+from store import Store
+from tasks.app import make_app
 from tidegate import keys
 from tidegate.events import TERMINAL, Event
 from tidegate.fleet import read_fleet
-from tidegate.lanes import Lane, pool_queue, redis_priority
+from tidegate.records import Heartbeat, JobStatus, WorkerState
 from tidegate.settings import Settings, get_settings
-
-log = logging.getLogger("tidegate.api")
 
 SSE_BLOCK_MS = 15_000
 API_THREADS = 12
@@ -103,6 +101,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ApiError, handle_api_error)
     _routes(app, deps)
     return app
+
+
+async def handle_api_error(_: Request, exc: Exception) -> JSONResponse:
+    """An ApiError as its JSON body, naming the field at fault, with its headers."""
+    assert isinstance(exc, ApiError)
+    body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 def _routes(app: FastAPI, deps: Deps) -> None:
@@ -191,7 +196,9 @@ def _lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) -
 
 
 def _admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobAccepted:
-    accepted = _enqueue(deps, tenant_for_key(deps.store, key), req, header_key)
+    """The submit's blocking part, on an admission thread: the key's tenant, then
+    api/submit.py."""
+    accepted = submit_job(deps, tenant_for_key(deps.store, key), req, header_key)
     deps.recent_lanes.add(accepted.job_id, accepted.lane)
     return accepted
 
@@ -201,134 +208,11 @@ def _owned_job(deps: Deps, key: str, job_id: str) -> Any:
     return deps.store.get_job(job_id, tenant_for_key(deps.store, key).id)
 
 
-def _enqueue(deps: Deps, tenant: Tenant, req: JobRequest, header_key: str | None) -> JobAccepted:
-    lane = deps.settings.lanes.get(req.lane)
-    if lane is None:
-        known = ", ".join(sorted(deps.settings.lanes))
-        raise bad_request("lane", f"lane: unknown lane {req.lane!r}; lanes are {known}")
-    if req.lane not in tenant.lanes:
-        raise ApiError(403, "lane", f"lane: this API key may not use lane {req.lane!r}",
-                       kind="forbidden")
-    _check_limits(deps, req)
-    prompt = deps.prompts.render(req)
-    prompt_tokens = deps.prompts.count(prompt)
-    _check_prompt(deps, req, prompt_tokens)
-    decision = _route(deps, lane, req, tenant.id)
-    limits.charge(deps.sync_redis, deps.settings.namespace, tenant, prompt_tokens + req.max_tokens)
-    priority = lane.default_priority if req.priority is None else req.priority
-    job, created = deps.store.create_job(
-        str(uuid.uuid4()), tenant.id, req.lane, decision.queue, priority, req.session_id,
-        asdict(_sampling(req)), prompt_tokens, idempotency_key=req.idempotency_key or header_key,
-        lora=req.lora, route_reason=decision.reason)
-    if created:
-        turn = _session_turn(deps, job.id, tenant.id, req.session_id)
-        system = _system_prefix(deps, req)
-        payload = GeneratePayload(job_id=job.id, lane=req.lane, prompt=prompt,
-                                  prompt_tokens=prompt_tokens, sampling=_sampling(req),
-                                  session_id=req.session_id, turn=turn,
-                                  deadline_at=time.time() + (req.deadline_s or lane.deadline_s),
-                                  lora=req.lora,
-                                  shared_prefix_tokens=deps.prompts.count_prefix(system))
-        _publish(deps, job.id, payload, decision.queue, redis_priority(priority))
-        deps.metrics.jobs.labels(req.lane).inc()
-        _sample_traffic(deps, req, system)
-    return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
-                       priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
-                       created=created)
-
-
-def _route(deps: Deps, lane: Lane, req: JobRequest, tenant_id: int) -> Route:
-    fleet = deps.fleet()
-    backlog = queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
-    session = None
-    if req.session_id and deps.settings.session_affinity:
-        session = deps.store.get_session(req.session_id, tenant_id)
-    try:
-        return route(lane, fleet, backlog, lambda name: direct_queue(deps.settings, name),
-                     lora=req.lora, session_worker=session.last_worker if session else None)
-    except NoRoute as exc:
-        if exc.field is not None:
-            raise bad_request(exc.field, str(exc)) from None
-        raise unavailable(str(exc)) from None
-
-
-HOT_KEEP = 50  # distinct system prompts remembered per lane for warm-ups
-
-
-def _sample_traffic(deps: Deps, req: JobRequest, system: str) -> None:
-    """Arrivals per lane per minute (the scheduler moves them into the store for its
-    forecast), and the lane's system prompts by use (warmed into activated workers)."""
-    ns = deps.settings.namespace
-    pipe = deps.sync_redis.pipeline(transaction=False)
-    key = keys.arrivals(ns, req.lane, int(time.time() // 60))
-    pipe.incr(key)
-    pipe.expire(key, 7200)
-    if system:
-        hot = keys.hot_prefixes(ns, req.lane)
-        pipe.zincrby(hot, 1, system)
-        pipe.zremrangebyrank(hot, 0, -(HOT_KEEP + 1))
-    pipe.execute()
-
-
-def _system_prefix(deps: Deps, req: JobRequest) -> str:
-    """The request's rendered system turn, the prefix its lane's requests share ("" if
-    none): rendered once for the KV retention and the hot-prefix sample."""
-    system = [m for m in req.messages or [] if m.role == "system"]
-    return deps.prompts.render_prefix(system) if system else ""
-
-
-def _session_turn(deps: Deps, job_id: str, tenant_id: int, session_id: str | None) -> int:
-    if session_id is None:
-        return 0
-    try:
-        return deps.store.touch_session(session_id, tenant_id, None)
-    except SessionOwnerError:
-        deps.store.delete_job(job_id)
-        raise ApiError(403, "session_id", "session_id: this session belongs to another tenant",
-                       kind="forbidden") from None
-
-
-def _check_limits(deps: Deps, req: JobRequest) -> None:
-    lane = deps.settings.lanes[req.lane]
-    if req.max_tokens > lane.max_output_tokens:
-        raise bad_request("max_tokens", f"max_tokens: {req.max_tokens} is above the limit of "
-                          f"lane {lane.name!r} ({lane.max_output_tokens})")
-    if req.deadline_s is not None and req.deadline_s > lane.deadline_s:
-        raise bad_request("deadline_s", f"deadline_s: {req.deadline_s} is above the limit of "
-                          f"lane {lane.name!r} ({lane.deadline_s})")
-
-
-def _check_prompt(deps: Deps, req: JobRequest, prompt_tokens: int) -> None:
-    field = "prompt" if req.prompt is not None else "messages"
-    lane = deps.settings.lanes[req.lane]
-    if prompt_tokens > lane.max_prompt_tokens:
-        raise bad_request(field, f"{field}: the prompt is {prompt_tokens} tokens; lane "
-                          f"{lane.name!r} allows {lane.max_prompt_tokens}")
-    context = deps.settings.max_model_len
-    if prompt_tokens + req.max_tokens > context:
-        raise bad_request(field, f"{field}: the prompt ({prompt_tokens} tokens) plus max_tokens "
-                          f"({req.max_tokens}) exceeds the model's context of {context} tokens")
-
-
-def _sampling(req: JobRequest) -> Sampling:
-    return Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    seed=req.seed)
-
-
-def _publish(deps: Deps, job_id: str, payload: GeneratePayload, queue: str, priority: int) -> None:
-    try:
-        send_generate(deps.celery, payload, queue, priority)
-    except Exception as exc:  # the broker is down: take the row back, the caller retries
-        log.error("enqueue of job %s failed: %s", job_id, type(exc).__name__)
-        deps.store.delete_job(job_id)
-        raise unavailable("the job queue is unavailable; retry later") from None
-
-
 def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
     job = deps.store.cancel_job(job_id, tenant_id)
     if job is None:
         raise not_found("job")
-    if job.status != "cancelled":
+    if job.status != JobStatus.CANCELLED:
         return job  # already finished: nothing to cancel
     client = deps.sync_redis
     ns = deps.settings.namespace
@@ -419,6 +303,7 @@ async def _workers_check(deps: Deps) -> dict[str, Any]:
     pattern = keys.worker_heartbeat_pattern(deps.settings.namespace)
     async for key in deps.redis.scan_iter(match=pattern, count=100):
         raw = await deps.redis.get(key)
-        if raw and json.loads(raw).get("state") == "active":
-            ready.append(json.loads(raw)["name"])
+        hb = Heartbeat.from_json(raw) if raw else None
+        if hb is not None and hb.state == WorkerState.ACTIVE:
+            ready.append(hb.name)
     return {"ok": bool(ready), "active": sorted(ready)}

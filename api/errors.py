@@ -2,12 +2,11 @@
 
 Three kinds, as in the style notes: what the caller got wrong (4xx, never retried),
 what the system lacks right now (503 with a retry hint), and bugs (500, logged).
+No HTTP framework here, so the submit logic (api/submit.py) raises them without one:
+api/app.py turns them into JSON responses.
 """
 
 from __future__ import annotations
-
-from fastapi import Request
-from fastapi.responses import JSONResponse
 
 
 class ApiError(Exception):
@@ -34,9 +33,3 @@ def unauthorized(message: str) -> ApiError:
 def unavailable(message: str, retry_after_s: int = 5) -> ApiError:
     return ApiError(503, None, message, kind="unavailable",
                     headers={"Retry-After": str(retry_after_s)})
-
-
-async def handle_api_error(_: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)

@@ -4,11 +4,13 @@ Redis, so every API replica counts against the same budget."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from api.auth import Tenant
 from api.errors import ApiError
 from tidegate import keys
+
+if TYPE_CHECKING:  # api.auth reads the HTTP request: api/submit.py charges without FastAPI
+    from api.auth import Tenant
 
 
 def charge(client: Any, namespace: str, tenant: Tenant, tokens: int) -> None:
@@ -31,7 +33,7 @@ def charge(client: Any, namespace: str, tenant: Tenant, tokens: int) -> None:
 def _add(client: Any, key: str, amount: int) -> int:
     pipe = client.pipeline(transaction=True)
     pipe.incrby(key, amount)
-    pipe.expire(key, 120)
+    pipe.expire(key, keys.RATE_WINDOW_TTL_S)
     return int(pipe.execute()[0])
 
 

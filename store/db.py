@@ -103,6 +103,28 @@ def _tpot_ms(
     return span / (tokens - 1)
 
 
+def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: int,
+                session_id: str | None, sampling: dict[str, Any], prompt_tokens: int,
+                idempotency_key: str | None, lora: str | None,
+                route_reason: str | None) -> Job:
+    return Job(
+        id=job_id,
+        tenant_id=tenant_id,
+        lane=lane,
+        queue=queue,
+        priority=priority,
+        session_id=session_id,
+        status=QUEUED,
+        idempotency_key=idempotency_key,
+        sampling=dict(sampling),
+        prompt_tokens=prompt_tokens,
+        enqueued_at=utcnow(),
+        attempts=0,
+        lora=lora,
+        route_reason=route_reason,
+    )
+
+
 class Store:
     def __init__(self, url: str, **engine_options: Any) -> None:
         self.url = normalize_url(url)
@@ -199,42 +221,42 @@ class Store:
         idempotency_key: str | None = None,
         lora: str | None = None,
         route_reason: str | None = None,
-    ) -> tuple[JobRecord, bool]:
-        """Write a queued job; with an idempotency key already used by this tenant, return
-        that job instead and created=False."""
+    ) -> tuple[JobRecord, bool, int]:
+        """Write a queued job and count its session's turn (0 without a session) in one
+        transaction; returns (job, created, turn).
+
+        With an idempotency key this tenant already used, that job comes back with
+        created=False and turn 0, and no turn is counted. A session owned by another
+        tenant raises SessionOwnerError and writes nothing: the API checked the owner
+        before, so only a race gets here, and the rollback leaves no row to take back.
+        """
         if idempotency_key is not None:
-            existing = self._job_by_key(tenant_id, idempotency_key)
+            existing = self.job_by_idempotency_key(tenant_id, idempotency_key)
             if existing is not None:
-                return existing, False
-        job = Job(
-            id=job_id,
-            tenant_id=tenant_id,
-            lane=lane,
-            queue=queue,
-            priority=priority,
-            session_id=session_id,
-            status=QUEUED,
-            idempotency_key=idempotency_key,
-            sampling=dict(sampling),
-            prompt_tokens=prompt_tokens,
-            enqueued_at=utcnow(),
-            attempts=0,
-            lora=lora,
-            route_reason=route_reason,
-        )
+                return existing, False, 0
+        row = _queued_job(job_id, tenant_id, lane, queue, priority, session_id, sampling,
+                          prompt_tokens, idempotency_key, lora, route_reason)
+        return self._insert_job(row, turn_of=session_id)
+
+    def _insert_job(self, row: Job, turn_of: str | None) -> tuple[JobRecord, bool, int]:
+        """Insert the row and, with turn_of, count that session's turn in the same
+        transaction."""
         try:
             with self._write() as session:
-                session.add(job)
+                session.add(row)
                 session.flush()
-                return job_record(job), True
+                turn = self._count_turn(session, turn_of, row.tenant_id, None) if turn_of else 0
+                return job_record(row), True, turn
         except IntegrityError:
             # A concurrent request with the same key won the insert: answer with its job.
-            existing = self._job_by_key(tenant_id, idempotency_key) if idempotency_key else None
+            key = row.idempotency_key
+            existing = self.job_by_idempotency_key(row.tenant_id, key) if key else None
             if existing is None:
                 raise
-            return existing, False
+            return existing, False, 0
 
-    def _job_by_key(self, tenant_id: int, idempotency_key: str) -> JobRecord | None:
+    def job_by_idempotency_key(self, tenant_id: int, idempotency_key: str) -> JobRecord | None:
+        """The tenant's job submitted with this idempotency key, if any."""
         stmt = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)
         with self._read() as session:
             job = session.scalars(stmt).one_or_none()
@@ -395,6 +417,12 @@ class Store:
         worker, when given, becomes the session's last worker (for affinity). A session id
         owned by another tenant raises SessionOwnerError.
         """
+        with self._write() as session:
+            return self._count_turn(session, session_id, tenant_id, worker)
+
+    def _count_turn(self, session: Session, session_id: str, tenant_id: int,
+                    worker: str | None) -> int:
+        """touch_session inside the caller's transaction: the raise rolls it back."""
         insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
         stmt = insert(ChatSession).values(
             id=session_id, tenant_id=tenant_id, turns=1, last_worker=worker, last_seen=utcnow()
@@ -408,8 +436,7 @@ class Store:
             },
             where=ChatSession.tenant_id == stmt.excluded.tenant_id,
         )
-        with self._write() as session:
-            turns = session.scalar(stmt.returning(ChatSession.turns))
+        turns = session.scalar(stmt.returning(ChatSession.turns))
         if turns is None:
             raise SessionOwnerError(session_id)
         return int(turns)

@@ -5,7 +5,9 @@ with no worker consuming, so queue lengths show exactly what was enqueued."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +15,9 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.app import create_app
+from api.app import FLEET_CACHE_S, create_app
 from store import Store, upgrade
-from tests.helpers import queue_length
+from tasks.app import queue_lengths
 from tidegate import keys
 from tidegate.settings import Settings
 
@@ -50,8 +52,13 @@ def advertise_worker(client: redis.Redis, settings: Settings) -> None:
                json.dumps(body))
 
 
+def waiting(client: redis.Redis, queue: str) -> int:
+    """Messages in a lane queue, over its ten priority sub-lists."""
+    return queue_lengths(client, [queue])[queue]
+
+
 def nothing_enqueued(store: Store, client: redis.Redis) -> bool:
-    return store.count_jobs() == 0 and all(queue_length(client, q) == 0 for q in QUEUES)
+    return store.count_jobs() == 0 and all(waiting(client, q) == 0 for q in QUEUES)
 
 
 def post(http: TestClient, key: str | None, body: object = None, raw: bytes | None = None):  # type: ignore[no-untyped-def]
@@ -137,7 +144,7 @@ def test_valid_job_is_enqueued_once_with_its_priority(api) -> None:  # type: ign
     assert store.count_jobs() == 1
     # Public priority 3 of 0-9 (9 most urgent) is Redis step 6; no TensorRT-LLM worker
     # advertises, so the job went to the vLLM pool.
-    assert queue_length(client, "chat.vllm") == 1 and client.llen("chat.vllm|6") == 1
+    assert waiting(client, "chat.vllm") == 1 and client.llen("chat.vllm|6") == 1
     job = store.get_job(resp.json()["job_id"])
     assert job is not None and job.status == "queued" and job.priority == 3
     assert job.route_reason is not None
@@ -164,8 +171,7 @@ def test_the_task_carries_the_system_turns_length_for_kv_retention(api) -> None:
 def _cleanup(store: Store, client: redis.Redis, job_id: str) -> None:
     """Empty the queues so the other cases (in any order) start from nothing enqueued."""
     for queue in QUEUES:
-        for step in range(10):
-            client.delete(queue if step == 0 else f"{queue}|{step}")
+        client.delete(*keys.queue_sublists(queue))
     store.delete_job(job_id)
 
 
@@ -197,10 +203,110 @@ def test_rate_limits_answer_429_with_retry_after(api) -> None:  # type: ignore[n
     assert refused.status_code == 429
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
     assert "2 requests per minute" in refused.json()["error"]["message"]
-    assert store.count_jobs() == 2 and queue_length(client, "chat.vllm") == 2
+    assert store.count_jobs() == 2 and waiting(client, "chat.vllm") == 2
     for r in accepted:
         _cleanup(store, client, r.json()["job_id"])
     _, tok_key = store.create_tenant("validation-tokens", ["chat"], tokens_per_minute=50)
     big = post(http, tok_key, {**OK, "max_tokens": 60})  # prompt + 60 > 50 tokens
     assert big.status_code == 429 and "tokens per minute" in big.json()["error"]["message"]
     assert nothing_enqueued(store, client)
+
+
+# -- replays and sessions: checked before anything is charged, routed or written ---------
+
+
+def post_keyed(http: TestClient, key: str, where: str, idempotency_key: str):  # type: ignore[no-untyped-def]
+    """A valid job whose idempotency key is in the `Idempotency-Key` header or the body."""
+    if where == "body":
+        return post(http, key, {**OK, "idempotency_key": idempotency_key})
+    return http.post("/v1/jobs", json=OK, headers={"Authorization": f"Bearer {key}",
+                                                   "Idempotency-Key": idempotency_key})
+
+
+@contextlib.contextmanager
+def cleaned_up(store: Store, client: redis.Redis, job_id: str) -> Iterator[None]:
+    """_cleanup even when the case fails, so the cases after it start from nothing."""
+    try:
+        yield
+    finally:
+        _cleanup(store, client, job_id)
+
+
+def rate_counters(http: TestClient, client: redis.Redis, tenant_id: int) -> tuple[int, list]:  # type: ignore[type-arg]
+    """The minute as api/limits.py reads it, and the tenant's requests and tokens counters
+    of that minute."""
+    ns = http.app.state.deps.settings.namespace  # type: ignore[attr-defined]
+    minute = int(time.time() // 60)
+    kinds = ("requests", "tokens")
+    return minute, [client.get(keys.rate_window(ns, tenant_id, minute, k)) for k in kinds]
+
+
+@pytest.mark.parametrize("where", ["header", "body"])
+def test_a_replayed_idempotency_key_is_not_charged_again(api, where) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, _ = api
+    tenant, key = store.create_tenant(f"validation-replay-{where}", ["chat"],
+                                      requests_per_minute=100, tokens_per_minute=100_000)
+    first = post_keyed(http, key, where, f"replay-{where}")
+    assert first.status_code == 202, first.text
+    with cleaned_up(store, client, first.json()["job_id"]):
+        for _ in range(3):  # a minute boundary between the two reads: replay again
+            minute, before = rate_counters(http, client, tenant.id)
+            again = post_keyed(http, key, where, f"replay-{where}")
+            after_minute, after = rate_counters(http, client, tenant.id)
+            if after_minute == minute:
+                break
+        else:
+            pytest.skip("the minute changed between the counter reads three times")
+        assert again.status_code == 200 and again.json()["job_id"] == first.json()["job_id"]
+        assert after == before
+        assert store.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
+
+
+def test_a_replay_at_the_rate_limit_answers_with_the_job(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, _ = api
+    tenant, key = store.create_tenant("validation-replay-at-limit", ["chat"],
+                                      requests_per_minute=1)
+    first = post_keyed(http, key, "header", "at-limit")
+    assert first.status_code == 202, first.text
+    with cleaned_up(store, client, first.json()["job_id"]):
+        # At the limit in this minute and the next, whichever the replay lands in.
+        ns = http.app.state.deps.settings.namespace
+        minute = int(time.time() // 60)
+        for m in (minute, minute + 1):
+            client.set(keys.rate_window(ns, tenant.id, m, "requests"), 1, ex=180)
+        again = post_keyed(http, key, "header", "at-limit")
+        assert again.status_code == 200, again.text
+        assert again.json()["job_id"] == first.json()["job_id"]
+        assert post_keyed(http, key, "header", "at-limit-new").status_code == 429  # control
+        assert store.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
+
+
+def test_a_replay_with_no_worker_for_the_lane_answers_with_the_job(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, key = api
+    settings = http.app.state.deps.settings
+    first = post_keyed(http, key, "header", "unrouted")
+    assert first.status_code == 202, first.text
+    client.delete(keys.worker_heartbeat(settings.namespace, "chat-advertised@test"))
+    with cleaned_up(store, client, first.json()["job_id"]):
+        try:
+            time.sleep(FLEET_CACHE_S + 0.1)  # the API's cached fleet is read again
+            assert post_keyed(http, key, "header", "unrouted-new").status_code == 503  # control
+            again = post_keyed(http, key, "header", "unrouted")
+            assert again.status_code == 200, again.text
+            assert again.json()["job_id"] == first.json()["job_id"]
+            assert store.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
+        finally:
+            advertise_worker(client, settings)
+            time.sleep(FLEET_CACHE_S + 0.1)  # the next cases see the worker again
+
+
+def test_another_tenants_session_is_403_and_nothing_is_written(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, key = api
+    owner, _ = store.create_tenant("validation-session-owner", ["chat"])
+    assert store.touch_session("their-chat", owner.id, None) == 1
+    resp = post(http, key, {**OK, "session_id": "their-chat"})
+    assert resp.status_code == 403, resp.text
+    error = resp.json()["error"]
+    assert error["field"] == "session_id" and "session_id" in error["message"]
+    assert nothing_enqueued(store, client)
+    assert store.get_session("their-chat").turns == 1  # type: ignore[union-attr]

@@ -20,7 +20,6 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Index, MetaData, text
-from sqlalchemy.exc import OperationalError
 
 from store import (
     Base,
@@ -32,22 +31,18 @@ from store import (
     make_engine,
     upgrade,
 )
-from tests.helpers import pg_admin
+from tests.helpers import postgres_or_skip
+from tidegate_tools.pg import private_database
 
 PG_DATABASE = "tidegate_test_store"
-PG_URL = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"
 THREADS = 8
 
 
 @pytest.fixture(scope="session")
 def pg_url() -> Iterator[str]:
-    try:
-        pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
-    except OperationalError as exc:
-        pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
-    pg_admin(f"CREATE DATABASE {PG_DATABASE}")
-    yield PG_URL
-    pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+    postgres_or_skip()
+    with private_database(PG_DATABASE) as url:
+        yield url
 
 
 @pytest.fixture(
@@ -188,9 +183,10 @@ def test_create_and_read_job(store: Store, tenant_id: int) -> None:
 
 
 def keyed_job(store: Store, tenant_id: int, key: str) -> tuple[JobRecord, bool]:
-    return store.create_job(
+    job, created, _ = store.create_job(
         str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {}, 3, idempotency_key=key
     )
+    return job, created
 
 
 def test_idempotency_key(store: Store, tenant_id: int) -> None:
@@ -377,6 +373,29 @@ def test_session_turns(store: Store, tenant_id: int) -> None:
         store.touch_session("s1", other, "w9")
     assert store.get_session("s1", tenant_id=other) is None
     assert store.get_session("s1").turns == 4  # type: ignore[union-attr]
+
+
+def test_a_job_and_its_session_turn_are_written_together(store: Store, tenant_id: int) -> None:
+    def create(tenant: int, key: str | None = None) -> tuple[JobRecord, bool, int]:
+        return store.create_job(str(uuid.uuid4()), tenant, "chat", "lane.chat", 5, "s1", {}, 3,
+                                idempotency_key=key)
+
+    job, created, turn = create(tenant_id, "k1")
+    assert created and turn == 1 and job.session_id == "s1"
+    assert create(tenant_id)[1:] == (True, 2)
+    again, created, turn = create(tenant_id, "k1")  # a key used meanwhile: no turn counted
+    assert (again.id, created, turn) == (job.id, False, 0)
+    assert store.get_session("s1").turns == 2  # type: ignore[union-attr]
+    assert store.create_job(str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {},
+                            3)[1:] == (True, 0)
+
+    other = store.create_tenant("globex", ["chat"])[0].id
+    with pytest.raises(SessionOwnerError):
+        create(other, "theirs")
+    # The transaction rolled back: no job row, nothing deleted afterwards, turns unchanged.
+    assert store.jobs_of_tenant(other) == []
+    assert store.job_by_idempotency_key(other, "theirs") is None
+    assert store.count_jobs() == 3 and store.get_session("s1").turns == 2  # type: ignore[union-attr]
 
 
 def test_concurrent_session_turns(store: Store, tenant_id: int) -> None:

@@ -1,0 +1,255 @@
+"""Submitting a job, as plain code: api/app.py reads the request and writes the response;
+everything between is here, with no HTTP in it.
+
+Checks come before effects, so a refused request changed nothing:
+
+    check    the lane, the tenant's right to it, the lane's limits, the prompt rendered
+             and counted, the session's owner: reads only (4xx)
+    replay   a known idempotency key answers with its job: not charged, not routed,
+             nothing published (200)
+    route    the pure router picks a queue from the fleet and the backlogs (503 or 4xx)
+    charge   the tenant's rate limits (429)
+    persist  the job row and the session's turn, in one transaction
+    publish  the task to the broker; the one step taken back when it fails (503)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from celery import Celery
+
+from api import limits
+from api.errors import ApiError, bad_request, unavailable
+from api.metrics import ApiMetrics
+from api.prompts import PromptRenderer
+from api.schemas import JobAccepted, JobRequest
+from scheduler import router
+from store import JobRecord, SessionOwnerError, SessionRecord, Store
+from tasks.app import queue_lengths, send_generate
+from tasks.payloads import GeneratePayload, Sampling
+from tidegate import keys
+from tidegate.lanes import Lane, pool_queue, redis_priority
+from tidegate.settings import Settings
+
+if TYPE_CHECKING:  # api.auth reads the HTTP request: only its Tenant record is used here
+    from api.auth import Tenant
+
+log = logging.getLogger("tidegate.api")
+
+class SubmitDeps(Protocol):
+    """What a submit uses of the API's shared dependencies (api.app.Deps)."""
+
+    settings: Settings
+    store: Store
+    sync_redis: Any  # redis.Redis: blocking, called from the submit threads
+    celery: Celery
+    prompts: PromptRenderer
+    metrics: ApiMetrics
+
+    def fleet(self) -> list[router.WorkerView]: ...
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed every check, with what the checks computed."""
+
+    tenant: Tenant
+    req: JobRequest
+    lane: Lane
+    priority: int  # public 0-9: the request's, else the lane's default
+    prompt: str  # rendered with the model's chat template
+    prompt_tokens: int
+    session: SessionRecord | None  # the tenant's session the request continues, if it exists
+    idempotency_key: str | None  # the body's, else the `Idempotency-Key` header's
+
+
+def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
+           header_key: str | None) -> JobAccepted:
+    """Accept a job (created=True) or answer with the one its idempotency key already
+    made (created=False); an ApiError for anything refused."""
+    checked = check(deps, tenant, req, header_key)
+    known = replay(deps, checked)
+    if known is not None:
+        return _accepted(known, created=False)
+    decision = route(deps, checked)
+    charge(deps, checked)
+    job, created, turn = persist(deps, checked, decision)
+    if created:  # else a concurrent request with the same key made the job first
+        publish(deps, checked, job, turn)
+    return _accepted(job, created)
+
+
+# -- check: reads only ---------------------------------------------------------------
+
+
+def check(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
+          header_key: str | None) -> Checked:
+    lane = _check_lane(deps, tenant, req)
+    prompt = deps.prompts.render(req)
+    prompt_tokens = deps.prompts.count(prompt)
+    _check_prompt(deps, lane, req, prompt_tokens)
+    return Checked(tenant=tenant, req=req, lane=lane,
+                   priority=lane.default_priority if req.priority is None else req.priority,
+                   prompt=prompt, prompt_tokens=prompt_tokens,
+                   session=_check_session(deps, tenant, req.session_id),
+                   idempotency_key=req.idempotency_key or header_key)
+
+
+def _check_lane(deps: SubmitDeps, tenant: Tenant, req: JobRequest) -> Lane:
+    lane = deps.settings.lanes.get(req.lane)
+    if lane is None:
+        known = ", ".join(sorted(deps.settings.lanes))
+        raise bad_request("lane", f"lane: unknown lane {req.lane!r}; lanes are {known}")
+    if req.lane not in tenant.lanes:
+        raise ApiError(403, "lane", f"lane: this API key may not use lane {req.lane!r}",
+                       kind="forbidden")
+    if req.max_tokens > lane.max_output_tokens:
+        raise bad_request("max_tokens", f"max_tokens: {req.max_tokens} is above the limit of "
+                          f"lane {lane.name!r} ({lane.max_output_tokens})")
+    if req.deadline_s is not None and req.deadline_s > lane.deadline_s:
+        raise bad_request("deadline_s", f"deadline_s: {req.deadline_s} is above the limit of "
+                          f"lane {lane.name!r} ({lane.deadline_s})")
+    return lane
+
+
+def _check_prompt(deps: SubmitDeps, lane: Lane, req: JobRequest, prompt_tokens: int) -> None:
+    field = "prompt" if req.prompt is not None else "messages"
+    if prompt_tokens > lane.max_prompt_tokens:
+        raise bad_request(field, f"{field}: the prompt is {prompt_tokens} tokens; lane "
+                          f"{lane.name!r} allows {lane.max_prompt_tokens}")
+    context = deps.settings.max_model_len
+    if prompt_tokens + req.max_tokens > context:
+        raise bad_request(field, f"{field}: the prompt ({prompt_tokens} tokens) plus max_tokens "
+                          f"({req.max_tokens}) exceeds the model's context of {context} tokens")
+
+
+def _check_session(deps: SubmitDeps, tenant: Tenant,
+                   session_id: str | None) -> SessionRecord | None:
+    """The tenant's session (None for a new one); 403 when another tenant holds the id."""
+    if session_id is None:
+        return None
+    session = deps.store.get_session(session_id)
+    if session is not None and session.tenant_id != tenant.id:
+        raise _session_forbidden()
+    return session
+
+
+def _session_forbidden() -> ApiError:
+    return ApiError(403, "session_id", "session_id: this session belongs to another tenant",
+                    kind="forbidden")
+
+
+# -- replay, route, charge -----------------------------------------------------------
+
+
+def replay(deps: SubmitDeps, checked: Checked) -> JobRecord | None:
+    """The job an earlier request with this idempotency key made, if any."""
+    if checked.idempotency_key is None:
+        return None
+    return deps.store.job_by_idempotency_key(checked.tenant.id, checked.idempotency_key)
+
+
+def route(deps: SubmitDeps, checked: Checked) -> router.Route:
+    lane, req = checked.lane, checked.req
+    backlog = queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
+    affinity = checked.session if deps.settings.session_affinity else None
+    try:
+        return router.route(lane, deps.fleet(), backlog,
+                            lambda name: keys.direct_queue(deps.settings.namespace, name),
+                            lora=req.lora,
+                            session_worker=affinity.last_worker if affinity else None)
+    except router.NoRoute as exc:
+        if exc.field is not None:
+            raise bad_request(exc.field, str(exc)) from None
+        raise unavailable(str(exc)) from None
+
+
+def charge(deps: SubmitDeps, checked: Checked) -> None:
+    tokens = checked.prompt_tokens + checked.req.max_tokens
+    limits.charge(deps.sync_redis, deps.settings.namespace, checked.tenant, tokens)
+
+
+# -- persist, publish: the effects ---------------------------------------------------
+
+
+def persist(deps: SubmitDeps, checked: Checked,
+            decision: router.Route) -> tuple[JobRecord, bool, int]:
+    """The job row and its session's turn, in one transaction: (job, created, turn)."""
+    req = checked.req
+    try:
+        return deps.store.create_job(
+            str(uuid.uuid4()), checked.tenant.id, req.lane, decision.queue, checked.priority,
+            req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
+            idempotency_key=checked.idempotency_key, lora=req.lora,
+            route_reason=decision.reason)
+    except SessionOwnerError:
+        # Another tenant took the session id after check() read it. The transaction
+        # rolled back with it: there is no row to take back.
+        raise _session_forbidden() from None
+
+
+def publish(deps: SubmitDeps, checked: Checked, job: JobRecord, turn: int) -> None:
+    """Send the job's task, then count it (metrics, the lane's traffic sample)."""
+    req = checked.req
+    system = _system_prefix(deps, req)
+    payload = GeneratePayload(
+        job_id=job.id, lane=req.lane, prompt=checked.prompt,
+        prompt_tokens=checked.prompt_tokens, sampling=_sampling(req),
+        session_id=req.session_id, turn=turn,
+        deadline_at=time.time() + (req.deadline_s or checked.lane.deadline_s), lora=req.lora,
+        shared_prefix_tokens=deps.prompts.count_prefix(system))
+    _send(deps, job, payload)
+    deps.metrics.jobs.labels(req.lane).inc()
+    _sample_traffic(deps, req, system)
+
+
+def _send(deps: SubmitDeps, job: JobRecord, payload: GeneratePayload) -> None:
+    try:
+        send_generate(deps.celery, payload, job.queue, redis_priority(job.priority))
+    except Exception as exc:
+        # The one step taken back. The store is written before the broker so that a job
+        # the broker holds always has its row, and an accepted job is durable; when the
+        # send fails, the row is deleted and the caller told to retry. A process dying
+        # between the two leaves a queued row with no message: a later issue adds a
+        # reconciler for those.
+        log.error("enqueue of job %s failed: %s", job.id, type(exc).__name__)
+        deps.store.delete_job(job.id)
+        raise unavailable("the job queue is unavailable; retry later") from None
+
+
+def _sample_traffic(deps: SubmitDeps, req: JobRequest, system: str) -> None:
+    """Arrivals per lane per minute (the scheduler moves them into the store for its
+    forecast), and the lane's system prompts by use (warmed into activated workers)."""
+    ns = deps.settings.namespace
+    pipe = deps.sync_redis.pipeline(transaction=False)
+    key = keys.arrivals(ns, req.lane, int(time.time() // 60))
+    pipe.incr(key)
+    pipe.expire(key, keys.ARRIVALS_TTL_S)
+    if system:
+        hot = keys.hot_prefixes(ns, req.lane)
+        pipe.zincrby(hot, 1, system)
+        pipe.zremrangebyrank(hot, 0, -(keys.HOT_PREFIXES_KEPT + 1))
+    pipe.execute()
+
+
+def _system_prefix(deps: SubmitDeps, req: JobRequest) -> str:
+    """The request's rendered system turn, the prefix its lane's requests share ("" if
+    none): rendered once for the KV retention and the hot-prefix sample."""
+    system = [m for m in req.messages or [] if m.role == "system"]
+    return deps.prompts.render_prefix(system) if system else ""
+
+
+def _sampling(req: JobRequest) -> Sampling:
+    return Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                    seed=req.seed)
+
+
+def _accepted(job: JobRecord, created: bool) -> JobAccepted:
+    return JobAccepted(job_id=job.id, status=job.status, lane=job.lane, queue=job.queue,
+                       priority=job.priority, events_url=f"/v1/jobs/{job.id}/events",
+                       created=created)
