@@ -26,10 +26,6 @@ def visibility_timeout_s(lanes: dict[str, Lane]) -> int:
     return int(2 * max(lane.deadline_s for lane in lanes.values())) + 300
 
 
-def direct_queue(settings: Settings, worker_name: str) -> str:
-    return keys.direct_queue(settings.namespace, worker_name)
-
-
 def _queue(name: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 

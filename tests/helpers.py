@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
+import pytest
 import redis
 
 from store import Store
 from tidegate import keys
 from tidegate.events import Event
+from tidegate_tools.pg import pg_admin
 from tidegate_tools.procs import Proc
 
 
@@ -39,12 +41,6 @@ def make_tenant(store: Store, name: str, lanes: list[str]) -> tuple[int, str]:
     return tenant.id, key
 
 
-def queue_length(client: redis.Redis, queue: str) -> int:
-    """Messages waiting in a lane queue, over all ten priority sub-lists."""
-    names = [queue] + [f"{queue}|{p}" for p in range(1, 10)]
-    return sum(int(client.llen(n)) for n in names)
-
-
 def engine_stats(worker: str) -> dict:
     from tasks.app import celery_app
 
@@ -54,17 +50,11 @@ def engine_stats(worker: str) -> dict:
     return replies[0][worker]
 
 
-PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+def postgres_or_skip() -> None:
+    """Skips the test when PostgreSQL does not answer at 127.0.0.1:5432 (CI has it)."""
+    from sqlalchemy.exc import OperationalError
 
-
-def pg_admin(sql: str) -> None:
-    """One statement on PostgreSQL's `test` database, outside a transaction (CREATE and
-    DROP DATABASE for the tests' private databases)."""
-    from sqlalchemy import create_engine
-
-    engine = create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT")
     try:
-        with engine.connect() as conn:
-            conn.exec_driver_sql(sql)
-    finally:
-        engine.dispose()
+        pg_admin("SELECT 1")
+    except OperationalError as exc:
+        pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from sqlalchemy.exc import OperationalError
 
 from scheduler.forecast import minute_of
 from store import Store, upgrade
-from tests.helpers import pg_admin
+from tests.helpers import postgres_or_skip
+from tidegate_tools.pg import private_database
 
 NOW = datetime(2026, 11, 11, 19, 0, 30, tzinfo=UTC)  # mid-minute: the 19:00 minute is open
 T0 = minute_of(NOW)
@@ -24,21 +25,16 @@ PG_DATABASE = "tidegate_test_traffic"
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'traffic.db'}"
-    else:
-        try:
-            pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
-        except OperationalError as exc:
-            pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
-        pg_admin(f"CREATE DATABASE {PG_DATABASE}")
-        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{PG_DATABASE}"
-    upgrade(url)  # the migration, not create_all: 0003 is what production gets
-    st = Store(url)
-    yield st
-    st.close()
-    if request.param == "postgresql":
-        pg_admin(f"DROP DATABASE IF EXISTS {PG_DATABASE} WITH (FORCE)")
+    with ExitStack() as stack:
+        if request.param == "sqlite":
+            url = f"sqlite:///{tmp_path / 'traffic.db'}"
+        else:
+            postgres_or_skip()
+            url = stack.enter_context(private_database(PG_DATABASE))
+        upgrade(url)  # the migration, not create_all: 0003 is what production gets
+        st = Store(url)
+        yield st
+        st.close()
 
 
 def test_arrivals_add_up_per_lane_and_minute(store: Store) -> None:
