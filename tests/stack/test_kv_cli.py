@@ -15,7 +15,7 @@ from tidegate.lanes import load_lanes
 from workers.kvcache.sim import replay
 from workers.kvcache.trace import read_trace, session_metas
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LANES = ROOT / "tidegate" / "lanes.toml"  # the shipped lanes, whose `chat` lane replay uses
 
 
