@@ -7,14 +7,15 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 |--------------------------------|---------|-----------------|-----------------------------------|
 | ``{ns}:job:{id}:events``       | stream  | worker          | ``stream_ttl_s`` after terminal   |
 | ``{ns}:job:{id}:live``         | channel | worker          | pub/sub, at most once             |
-| ``{ns}:job:{id}:lease``        | string  | worker          | ``LEASE_TTL_S``, renewed while run|
+| ``{ns}:job:{id}:lease``        | string  | worker          | ``lease_ttl_s``, renewed each beat|
 | ``{ns}:job:{id}:cancel``       | string  | API             | ``stream_ttl_s``                  |
 | ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
 | ``{ns}:finished``              | stream  | worker          | ``FINISHED_MAXLEN`` entries       |
 | ``{ns}:worker:{name}``         | string  | worker          | heartbeat, ``heartbeat_ttl_s``    |
 | ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | ``RATE_WINDOW_TTL_S``             |
 | ``{ns}:desired``               | hash    | scheduler       | worker -> desired state and queue |
-| ``{ns}:lock:{name}:{period}``  | string  | scheduler       | two periods (one beat acts)       |
+| ``{ns}:lock:{name}:{period}``  | string  | scheduler,      | two periods (one beat acts; one   |
+|                                |         | worker          | worker sweeps for orphans)        |
 | ``{ns}:actions``               | stream  | scheduler       | ``ACTIONS_MAXLEN`` entries        |
 | ``{ns}:health:{worker}``       | hash    | scheduler       | ``HEALTH_STRIKES_TTL_S``          |
 | ``{ns}:arrivals:{lane}:{min}`` | counter | API             | ``ARRIVALS_TTL_S``, or until the  |
@@ -39,7 +40,6 @@ Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so 
 
 from __future__ import annotations
 
-LEASE_TTL_S = 30  # a running job's lease; renewed every heartbeat while it generates
 FINISHED_MAXLEN = 100_000  # summaries of finished jobs kept for the API's metrics
 HEARTBEAT_PERIODS = 5  # a heartbeat lives this many periods: a dead worker is gone after it
 RATE_WINDOW_TTL_S = 120  # a one-minute rate window, kept past its minute for late readers
@@ -51,8 +51,17 @@ PRIORITY_STEPS = tuple(range(10))  # kombu's sub-lists: name all ten, the defaul
 PRIORITY_SEP = "|"
 
 
+LEASE_MIN_TTL_S = 5  # short heartbeat periods (tests) still leave a stalled beat slack
+
+
 def heartbeat_ttl_s(heartbeat_s: float) -> int:
     return int(heartbeat_s * HEARTBEAT_PERIODS) + 1
+
+
+def lease_ttl_s(heartbeat_s: float) -> int:
+    """A job's lease outlives a few missed beats of its worker, and is gone within seconds
+    of its worker's death: the time a crashed worker's jobs wait before they resume."""
+    return max(LEASE_MIN_TTL_S, heartbeat_ttl_s(heartbeat_s))
 
 
 def pool_queue(lane_queue: str, pool: str) -> str:

@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     stream_maxlen: int = Field(10_000, gt=0)  # events kept per job stream (approximate trim)
     stream_ttl_s: int = Field(3600, gt=0)  # job stream lifetime after its terminal event
     heartbeat_s: float = Field(2.0, gt=0)  # worker heartbeat period; TTL is 5 periods
+    # A job taken up this many times, each attempt dying with its worker, ends `poison`.
+    max_attempts: int = Field(3, ge=1)
 
     engine_slots: int = Field(64, gt=0)  # sequences per engine = Celery thread concurrency
     max_model_len: int = Field(2048, gt=0)

@@ -102,6 +102,16 @@ class EngineHost:
         """Abort a request, whether it is running now or starts later on this worker."""
         self.loop.call_soon_threadsafe(self._cancel, request_id)
 
+    def abandon(self, request_id: str) -> None:
+        """Abort a running request, remembering nothing: its job may come back to this
+        worker (an attempt that lost its lease), and must then run."""
+        self.loop.call_soon_threadsafe(self._abandon, request_id)
+
+    def _abandon(self, request_id: str) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
     def _cancel(self, request_id: str) -> None:
         self._cancelled[request_id] = None
         while len(self._cancelled) > _REMEMBER_CANCELLED:

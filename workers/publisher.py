@@ -1,5 +1,6 @@
 """Token events into Redis: each one appended to the job's stream and published on its
-channel in one pipelined round trip."""
+channel in one round trip, by a script that first checks the attempt still holds the
+job's lease (workers/lease.py): a replaced attempt can never add to the stream."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ import redis
 
 from tidegate import keys
 from tidegate.events import Event
+from workers.lease import Lease, LeaseLost
+
+# KEYS: lease, stream. ARGV: owner, entry id, event JSON, kind, maxlen, channel, TTL (0:
+# none). The entry id is the event's seq, so Redis refuses a second append of one seq.
+APPEND = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], ARGV[2], 'e', ARGV[3], 'k', ARGV[4])
+redis.call('PUBLISH', ARGV[6], ARGV[3])
+if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[2], ARGV[7]) end
+return 1
+"""
 
 
 @dataclass(frozen=True)
@@ -29,23 +41,23 @@ class EventPublisher:
         self.ns = namespace
         self.maxlen = maxlen
         self.ttl_s = ttl_s
+        self._append: Any = client.register_script(APPEND)
 
-    def publish(self, event: Event) -> bool:
-        """Append and publish; False when this seq was already appended (a duplicate)."""
-        key = keys.job_events(self.ns, event.job_id)
+    def publish(self, event: Event, lease: Lease) -> bool:
+        """Append and publish; False when this seq was already appended (a duplicate);
+        LeaseLost when `lease` is no longer the attempt's."""
         fields = event.stream_fields()
-        pipe = self.r.pipeline(transaction=False)
-        pipe.xadd(key, fields, id=keys.stream_id(event.seq),  # type: ignore[arg-type]
-                  maxlen=self.maxlen, approximate=True)
-        pipe.publish(keys.job_live(self.ns, event.job_id), fields["e"])
-        if event.terminal:
-            pipe.expire(key, self.ttl_s)
+        args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
+                keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0]
         try:
-            pipe.execute()
+            appended = self._append(keys=[lease.key, keys.job_events(self.ns, event.job_id)],
+                                    args=args)
         except redis.ResponseError as exc:
             if "equal or smaller" in str(exc):
                 return False
             raise
+        if not appended:
+            raise LeaseLost(event.job_id)
         return True
 
     def finished(self, summary: dict[str, object]) -> None:

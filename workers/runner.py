@@ -1,13 +1,18 @@
 """The body of the generate task: one job from claim to terminal event.
 
-Idempotent on the job id. A second delivery of a finished job does nothing; a delivery
-of a job whose first worker died resumes after the tokens already published, so a
-consumer never sees a token twice.
+Idempotent on the job id. An attempt first takes the job's lease (workers/lease.py); a
+second delivery while another attempt lives waits for it to end, then finds the job
+finished and does nothing; a delivery of a job whose worker died resumes after the tokens
+already published, so a consumer never sees a token twice or misses one. A job that was
+taken up more than `max_attempts` times ends `error` with code `poison`: it is taken to
+be what kills its workers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -22,6 +27,7 @@ from tidegate.events import Event
 from tidegate.records import JobStatus
 from workers.engine import Delta, EngineError, EngineRequest
 from workers.host import Cancelled, DeadlineExceeded, EngineHost
+from workers.lease import Lease, LeaseLost
 from workers.publisher import EventPublisher, StreamState
 
 log = logging.getLogger("tidegate.worker")
@@ -37,16 +43,31 @@ class WorkerContext:
     redis: redis.Redis
     publisher: EventPublisher
     host: EngineHost
+    lease_ttl_s: int  # keys.lease_ttl_s of the worker's heartbeat period
+    max_attempts: int  # takes of one job before it is ended as poison
     lanes: list[str] = field(default_factory=list)
     mean_job_ms: float | None = None  # moving average of a job's run time, for the router
+    leases: set[Lease] = field(default_factory=set)  # held now; the heartbeat renews them
+    _leases_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_job_ms(self, ms: float) -> None:
         old = self.mean_job_ms
         self.mean_job_ms = ms if old is None else 0.8 * old + 0.2 * ms
 
+    def held_leases(self) -> list[Lease]:
+        with self._leases_lock:
+            return list(self.leases)
+
+    def _hold(self, lease: Lease, held: bool) -> None:
+        with self._leases_lock:
+            (self.leases.add if held else self.leases.discard)(lease)
+
 
 @dataclass
 class _Progress:
+    """One attempt: what the job's stream holds so far, and the attempt's lease."""
+
+    lease: Lease
     seq: int
     text: str
     token_ids: list[int]
@@ -54,31 +75,51 @@ class _Progress:
     cached_tokens: int | None = None  # prompt tokens this attempt found in the prefix cache
 
 
+LEASE_LOST = "lease-lost"  # outcome: another attempt took the job over; not acked
+
+
 def run_job(ctx: WorkerContext, body: dict[str, Any]) -> str:
     """Run one job; returns the outcome (for logs and tests). Never raises."""
     payload = GeneratePayload.from_dict(body)
-    lease = keys.job_lease(ctx.namespace, payload.job_id)
-    if not _take_lease(ctx, lease):
-        log.info("job %s is running on another worker; skipping this delivery", payload.job_id)
-        return "skipped-leased"
+    lease = Lease(ctx.redis, keys.job_lease(ctx.namespace, payload.job_id), ctx.name,
+                  ctx.lease_ttl_s)
+    if not lease.take():
+        log.info("job %s: another attempt holds it; waiting for it to end", payload.job_id)
+        if not lease.take_when_free(lambda: _ended(ctx, payload)):
+            return "skipped-terminal"
+    ctx._hold(lease, True)
     try:
-        return _run_claimed(ctx, payload)
+        return _run_leased(ctx, payload, lease)
+    except LeaseLost:
+        log.warning("job %s: this attempt lost its lease to another", payload.job_id)
+        ctx.host.abandon(payload.job_id)
+        return LEASE_LOST
     except Exception:  # a bug must not crash the worker; the job still ends
         log.exception("job %s failed inside the worker", payload.job_id)
-        _fail(ctx, payload.job_id, "internal", "the worker failed while running this job")
+        with contextlib.suppress(LeaseLost):
+            _fail_unexpected(ctx, payload.job_id, lease)
         return "error"
     finally:
-        ctx.redis.delete(lease)
+        ctx._hold(lease, False)
+        lease.release()
 
 
-def _take_lease(ctx: WorkerContext, lease: str) -> bool:
-    if ctx.redis.set(lease, ctx.name, nx=True, ex=keys.LEASE_TTL_S):
-        return True
-    holder: Any = ctx.redis.get(lease)
-    return holder is not None and holder.decode() == ctx.name
+def _ended(ctx: WorkerContext, payload: GeneratePayload) -> bool:
+    """The wait for another attempt is over: the job ended. (Not its deadline: a live
+    attempt ends a late job itself, and a dead one's lease expires, so the wait is bounded
+    either way, and after a death this attempt must end the job.)"""
+    job = ctx.store.get_job(payload.job_id)
+    return job is None or job.terminal
 
 
-def _run_claimed(ctx: WorkerContext, payload: GeneratePayload) -> str:
+def _fail_unexpected(ctx: WorkerContext, job_id: str, lease: Lease) -> None:
+    state = ctx.publisher.state(job_id)
+    if not state.terminal:
+        progress = _Progress(lease, state.next_seq, state.text, list(state.token_ids))
+        _fail(ctx, job_id, "internal", "the worker failed while running this job", progress)
+
+
+def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease) -> str:
     job = ctx.store.claim_job(payload.job_id, ctx.name, ctx.host.engine.kind)
     if job is None:
         log.info("job %s is already finished or unknown; skipping", payload.job_id)
@@ -86,9 +127,13 @@ def _run_claimed(ctx: WorkerContext, payload: GeneratePayload) -> str:
     state = ctx.publisher.state(payload.job_id)
     if state.terminal:
         return "skipped-terminal"
+    progress = _Progress(lease, state.next_seq, state.text, list(state.token_ids))
+    if job.attempts > ctx.max_attempts:
+        _fail(ctx, payload.job_id, "poison", f"the job was taken up {job.attempts} times; "
+              "each attempt died with its worker", progress)
+        return "poison"
     if payload.session_id:  # this worker's KV cache now holds the session's prefix
         ctx.store.set_session_worker(payload.session_id, ctx.name)
-    progress = _Progress(state.next_seq, state.text, list(state.token_ids))
     if progress.seq == 0:
         _emit(ctx, payload.job_id, progress, "started",
               data={"worker": ctx.name, "engine": ctx.host.engine.kind, "attempt": job.attempts})
@@ -183,15 +228,13 @@ def _emit(ctx: WorkerContext, job_id: str, progress: _Progress, kind: Any, *, te
           token_ids: list[int] | None = None, data: dict[str, Any] | None = None) -> None:
     event = Event(job_id=job_id, seq=progress.seq, kind=kind, text=text,
                   token_ids=token_ids or [], data=data or {})
-    ctx.publisher.publish(event)
+    ctx.publisher.publish(event, progress.lease)
     progress.seq += 1
 
 
 def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
               finish_reason: str) -> str:
-    ctx.store.finish_job(payload.job_id, JobStatus.DONE, finish_reason=finish_reason,
-                         output_text=progress.text, completion_tokens=len(progress.token_ids),
-                         finished_at=datetime.now(UTC))
+    _finish(ctx, payload.job_id, progress, JobStatus.DONE, finish_reason=finish_reason)
     job = ctx.store.get_job(payload.job_id)
     data = {
         "finish_reason": finish_reason,
@@ -208,9 +251,7 @@ def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
 
 
 def _end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress) -> str:
-    ctx.store.finish_job(payload.job_id, JobStatus.CANCELLED, finish_reason="cancelled",
-                         output_text=progress.text, completion_tokens=len(progress.token_ids),
-                         finished_at=datetime.now(UTC))
+    _finish(ctx, payload.job_id, progress, JobStatus.CANCELLED, finish_reason="cancelled")
     _emit(ctx, payload.job_id, progress, "done", data={
         "finish_reason": "cancelled",
         "usage": {"prompt_tokens": payload.prompt_tokens,
@@ -219,24 +260,28 @@ def _end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: _Prog
 
 
 def _end_expired(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress) -> str:
-    ctx.store.finish_job(payload.job_id, JobStatus.EXPIRED, finish_reason="deadline",
-                         output_text=progress.text, completion_tokens=len(progress.token_ids),
-                         error="the job's deadline passed", finished_at=datetime.now(UTC))
+    _finish(ctx, payload.job_id, progress, JobStatus.EXPIRED, finish_reason="deadline",
+            error="the job's deadline passed")
     _emit(ctx, payload.job_id, progress, "error",
           data={"code": "deadline_exceeded", "message": "the job's deadline passed"})
     return "expired"
 
 
 def _fail(ctx: WorkerContext, job_id: str, code: str, message: str,
-          progress: _Progress | None = None) -> None:
-    if progress is None:
-        state = ctx.publisher.state(job_id)
-        if state.terminal:
-            return
-        progress = _Progress(state.next_seq, state.text, list(state.token_ids))
-    ctx.store.finish_job(job_id, JobStatus.ERROR, error=message, output_text=progress.text,
-                         completion_tokens=len(progress.token_ids), finished_at=datetime.now(UTC))
+          progress: _Progress) -> None:
+    _finish(ctx, job_id, progress, JobStatus.ERROR, error=message)
     _emit(ctx, job_id, progress, "error", data={"code": code, "message": message})
+
+
+def _finish(ctx: WorkerContext, job_id: str, progress: _Progress, status: JobStatus,
+            **values: Any) -> None:
+    """The job's terminal row, written only while this attempt holds the lease: an attempt
+    that was replaced must not end a job that another attempt runs."""
+    if not progress.lease.held():
+        raise LeaseLost(job_id)
+    ctx.store.finish_job(job_id, status, output_text=progress.text,
+                         completion_tokens=len(progress.token_ids),
+                         finished_at=datetime.now(UTC), **values)
 
 
 def _summarise(ctx: WorkerContext, payload: GeneratePayload, status: str, job: Any) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from store import Store
+from tasks.recovery import restore_orphans
 from tidegate import keys
 from tidegate.lanes import pool_queue
 from tidegate.records import EngineStats, Heartbeat, WorkerState
@@ -73,7 +74,8 @@ class Worker:
         publisher = EventPublisher(self.redis, s.namespace, s.stream_maxlen, s.stream_ttl_s)
         self.ctx = WorkerContext(name=self.name, namespace=s.namespace, store=Store(s.db_url),
                                  redis=self.redis, publisher=publisher, host=host,
-                                 lanes=[self.lane])
+                                 lease_ttl_s=keys.lease_ttl_s(s.heartbeat_s),
+                                 max_attempts=s.max_attempts, lanes=[self.lane])
         CancelListener(self.redis, s.namespace, host).start()
 
     @property
@@ -154,7 +156,8 @@ class Worker:
 
 
 class Heartbeats(threading.Thread):
-    """Advertises the worker and its engine stats; renews leases of running jobs."""
+    """Advertises the worker and its engine stats, renews the leases of its jobs, and
+    (one worker per period) hands dead workers' messages back to their queues."""
 
     def __init__(self, worker: Worker) -> None:
         super().__init__(name="heartbeat", daemon=True)
@@ -169,12 +172,28 @@ class Heartbeats(threading.Thread):
             time.sleep(self.worker.settings.heartbeat_s)
 
     def beat(self) -> None:
+        w, s = self.worker, self.worker.settings
+        ttl = keys.heartbeat_ttl_s(s.heartbeat_s)
+        w.redis.set(keys.worker_heartbeat(s.namespace, w.name), w.heartbeat().to_json(), ex=ttl)
+        if w.ctx is None:
+            return
+        for lease in w.ctx.held_leases():
+            lease.renew()
+        period = int(time.time() / s.heartbeat_s)
+        if w.redis.set(keys.scheduler_lock(s.namespace, "recover", period), w.name, nx=True,
+                       ex=ttl):
+            try:
+                self.recover()
+            except Exception:  # a failed sweep must not stop the heartbeat; the next retries
+                log.exception("the sweep for a dead worker's messages failed")
+
+    def recover(self) -> None:
+        """A message whose job has no lease for longer than a lease lives has lost its
+        worker (workers/lease.py, tasks/recovery.py)."""
         w, ns = self.worker, self.worker.settings.namespace
-        ttl = keys.heartbeat_ttl_s(w.settings.heartbeat_s)
-        w.redis.set(keys.worker_heartbeat(ns, w.name), w.heartbeat().to_json(), ex=ttl)
-        if w.ctx is not None:
-            for job_id in w.ctx.host.running_ids():
-                w.redis.expire(keys.job_lease(ns, job_id), keys.LEASE_TTL_S)
+        grace_s = keys.lease_ttl_s(w.settings.heartbeat_s)
+        restore_orphans(w.celery_worker.app,
+                        lambda job_id: bool(w.redis.exists(keys.job_lease(ns, job_id))), grace_s)
 
 
 class CancelListener(threading.Thread):

@@ -1,0 +1,236 @@
+"""Every accepted job ends, whatever dies on the way: a worker killed mid-generation
+(SIGKILL, its engine processes with it) has its job taken over by another within seconds,
+and the consumer's stream goes on with no gap and no repeat; a second delivery of a
+running job neither drops it nor runs it twice; a job that keeps killing its workers
+ends `poison`.
+
+Two workers of the `recovery` lane of their own (tests/lanes.toml), started once for the
+module; the tests kill them, so no other module shares them. Where a test needs a job to
+be mid-generation at a given moment, it freezes the worker's vLLM engine processes
+(SIGSTOP), whatever the engine's speed; the worker's own threads run on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+from api.client import Client
+from tasks.app import celery_app, queue_lengths, send_generate
+from tasks.payloads import GeneratePayload, Sampling
+from tests.helpers import Stack, engine_stats
+from tidegate import keys
+from tidegate.events import Event
+from tidegate.fleet import read_heartbeat
+from tidegate.records import WorkerState
+from tidegate.settings import get_settings
+from tidegate_tools.procs import Proc, start_worker, wait_until
+
+LANE, QUEUE = "recovery", "recovery.vllm"
+PROMPT = "Please tell me where my parcel is and when the refund arrives"
+MAX_TOKENS = 600  # several seconds of generation: longer than a lease lives
+pytestmark = pytest.mark.timeout(600)
+
+
+@dataclass
+class Pair:
+    key: str  # an API key of a tenant allowed the lane
+    procs: dict[str, Proc] = field(default_factory=dict)  # worker name -> process
+
+    def kill(self, name: str) -> None:
+        """SIGKILL to the worker's process group: supervisor, worker, engine core."""
+        os.killpg(self.procs[name].popen.pid, signal.SIGKILL)
+
+    def engine(self, name: str) -> list[psutil.Process]:
+        """The worker's vLLM engine core and the processes it spawned."""
+        root = psutil.Process(self.procs[name].popen.pid)
+        cores = [p for p in root.children(recursive=True) if p.name().startswith("VLLM::")]
+        assert cores, f"no vLLM engine process under worker {name}"
+        return [q for core in cores for q in (core, *core.children(recursive=True))]
+
+    @contextlib.contextmanager
+    def frozen(self, name: str) -> Iterator[None]:
+        """The worker's engine stopped (SIGSTOP), its own threads and heartbeat running."""
+        engine = self.engine(name)
+        for proc in engine:
+            proc.suspend()
+        try:
+            yield
+        finally:
+            for proc in engine:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.resume()
+
+
+@pytest.fixture(scope="module")
+def pair(stack: Stack, tmp_root: Path) -> Iterator[Pair]:
+    _, key = stack.store.create_tenant("recovery-tenant", [LANE])
+    p = Pair(key)
+    try:
+        for core, name in enumerate(("recover-a@tidegate", "recover-b@tidegate")):
+            p.procs[name] = start_worker(dict(os.environ), LANE, name, tmp_root / "logs",
+                                         cpus=str(core))
+        wait_until(lambda: all(_active(stack, n) for n in p.procs), 240,
+                   "both recovery workers to be active", list(p.procs.values()), poll_s=0.5)
+        yield p
+    finally:
+        for proc in p.procs.values():
+            proc.stop()
+
+
+def _active(stack: Stack, name: str) -> bool:
+    hb = read_heartbeat(stack.redis, stack.namespace, name)
+    return hb is not None and hb.state == WorkerState.ACTIVE
+
+
+class Reader(threading.Thread):
+    """Consumes a job's SSE stream as a client would, keeping every event."""
+
+    def __init__(self, stack: Stack, key: str, job_id: str) -> None:
+        super().__init__(daemon=True)
+        self.base_url, self.key, self.job_id = stack.base_url, key, job_id
+        self.events: list[Event] = []
+
+    def run(self) -> None:
+        with Client(self.base_url, self.key) as client:
+            for event in client.stream(self.job_id):
+                self.events.append(event)
+
+    def tokens(self) -> list[int]:
+        return [i for e in list(self.events) if e.kind == "token" for i in e.token_ids]
+
+    def ended(self) -> bool:
+        return bool(self.events) and self.events[-1].terminal
+
+
+def submit(stack: Stack, key: str) -> str:
+    with Client(stack.base_url, key) as client:
+        return str(client.submit(LANE, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                 temperature=0.0)["job_id"])
+
+
+def read_to_end(stack: Stack, key: str, job_id: str, procs: list[Proc]) -> Reader:
+    reader = Reader(stack, key, job_id)
+    reader.start()
+    wait_until(reader.ended, 120, f"job {job_id} to end", procs)
+    return reader
+
+
+def check_stream(events: list[Event]) -> None:
+    """Contiguous sequence numbers from 0, one start, one end: no gap, no repeat."""
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert [e.kind for e in events].count("started") == 1 and events[0].kind == "started"
+    assert events[-1].kind == "done" and not any(e.terminal for e in events[:-1])
+
+
+def test_a_job_outliving_its_lease_keeps_it_and_runs_once(stack: Stack, pair: Pair) -> None:
+    job_id = submit(stack, pair.key)
+    reader = Reader(stack, pair.key, job_id)
+    reader.start()
+    wait_until(lambda: len(reader.tokens()) >= 10, 60, "the job to generate",
+               list(pair.procs.values()))
+    worker, lease = reader.events[0].data["worker"], keys.job_lease(stack.namespace, job_id)
+    owner = stack.redis.get(lease)
+    lease_s = keys.lease_ttl_s(get_settings().heartbeat_s)
+    with pair.frozen(worker):  # the job runs on, in no hurry, for two lease lifetimes
+        until = time.time() + 2 * lease_s
+        wait_until(lambda: beat_at(stack, worker) > until, 4 * lease_s,
+                   "the frozen worker's heartbeat to go on past two lease lifetimes")
+        assert owner is not None and stack.redis.get(lease) == owner  # renewed, not taken
+    wait_until(reader.ended, 120, "the job to end", list(pair.procs.values()))
+    check_stream(reader.events)
+    row = stack.store.get_job(job_id)
+    assert row is not None and row.status == "done" and row.attempts == 1
+    assert len(reader.tokens()) == MAX_TOKENS
+
+
+def beat_at(stack: Stack, name: str) -> float:
+    hb = read_heartbeat(stack.redis, stack.namespace, name)
+    return hb.ts if hb else 0.0
+
+
+def test_a_second_delivery_of_a_running_job_waits_and_does_not_run_it_again(
+        stack: Stack, pair: Pair) -> None:
+    job_id = submit(stack, pair.key)
+    reader = Reader(stack, pair.key, job_id)
+    reader.start()
+    wait_until(lambda: len(reader.tokens()) >= 10, 60, "the job to generate",
+               list(pair.procs.values()))
+    skipped_before = skipped(pair)
+    payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
+                              sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0.0))
+    with pair.frozen(reader.events[0].data["worker"]):  # still running when it arrives
+        send_generate(celery_app(), payload, QUEUE, 5)  # what a visibility timeout does
+        wait_until(lambda: queue_lengths(stack.redis, [QUEUE])[QUEUE] == 0, 30,
+                   "a worker to take the second delivery")
+    wait_until(reader.ended, 120, "the job to end", list(pair.procs.values()))
+    check_stream(reader.events)
+    row = stack.store.get_job(job_id)
+    assert row is not None and row.status == "done" and row.attempts == 1
+    assert len(reader.tokens()) == MAX_TOKENS
+    wait_until(lambda: skipped(pair) > skipped_before, 30,
+               "the second delivery to end, doing nothing")
+
+
+def skipped(pair: Pair) -> int:
+    """Deliveries that found their job finished, on either worker (either may get one)."""
+    return sum(engine_stats(name)["outcomes"].get("skipped-terminal", 0) for name in pair.procs)
+
+
+def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
+    job_id = str(uuid.uuid4())
+    tenant = stack.store.tenant_by_key(pair.key)
+    assert tenant is not None
+    stack.store.create_job(job_id, tenant.id, LANE, QUEUE, 5, None, {"max_tokens": 8}, 12)
+    for attempt in range(get_settings().max_attempts):  # each died with its worker
+        stack.store.claim_job(job_id, f"dead-{attempt}@gone", "vllm")
+    payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
+                              sampling=Sampling(max_tokens=8, temperature=0.0))
+    send_generate(celery_app(), payload, QUEUE, 5)
+    reader = read_to_end(stack, pair.key, job_id, list(pair.procs.values()))
+    assert [e.kind for e in reader.events] == ["error"]  # never started: nothing to resume
+    assert reader.events[-1].data["code"] == "poison"
+    row = stack.store.get_job(job_id)
+    assert row is not None and row.status == "error"
+    assert row.attempts == get_settings().max_attempts + 1
+
+
+def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
+        stack: Stack, pair: Pair) -> None:
+    job_id = submit(stack, pair.key)
+    reader = Reader(stack, pair.key, job_id)
+    reader.start()
+    alive = list(pair.procs.values())
+    wait_until(lambda: len(reader.tokens()) >= 30, 60, "30 tokens of the first attempt", alive)
+    victim = reader.events[0].data["worker"]
+    with pair.frozen(victim):  # mid-generation for sure, however fast the engine is
+        row = stack.store.get_job(job_id)
+        assert row is not None and row.status == "running"
+        pair.kill(victim)
+    survivor = next(n for n in pair.procs if n != victim)
+    wait_until(reader.ended, 120, "the job to end after its worker was killed",
+               [pair.procs[survivor]])
+
+    check_stream(reader.events)
+    row = stack.store.get_job(job_id)
+    assert row is not None and row.status == "done" and row.attempts == 2
+    assert row.worker == survivor
+    assert row.output_text == "".join(e.text for e in reader.events if e.kind == "token")
+    assert len(reader.tokens()) == MAX_TOKENS == row.completion_tokens
+    # The same request, uninterrupted, on the survivor: greedy, so the same tokens.
+    uninterrupted = read_to_end(stack, pair.key, submit(stack, pair.key),
+                                [pair.procs[survivor]])
+    assert reader.tokens() == uninterrupted.tokens()
+    # The dead worker's lease is gone and nothing of the job waits in the lane queue.
+    assert not stack.redis.exists(keys.job_lease(stack.namespace, job_id))
+    pair.procs.pop(victim).stop()

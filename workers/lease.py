@@ -1,0 +1,66 @@
+"""A job's lease: which attempt may run it, and the fence on everything it writes to Redis.
+
+One attempt at a time holds `{ns}:job:{id}:lease`, its value a token of its own (worker
+and a random part, so two deliveries on one worker are two attempts). The worker's
+heartbeat renews the leases it holds; a worker that dies stops renewing, its leases expire
+after `keys.lease_ttl_s`, and the recovery sweep (tasks/recovery.py) hands its messages
+back to their queues. Every event an attempt appends is written by a script that first
+checks the lease is still its own, so an attempt that stalled past its lease and was
+replaced can never add a token to the job's stream: it gets LeaseLost and stops.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('EXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+WAIT_POLL_S = 0.5  # a duplicate delivery checks the other attempt's lease this often
+
+
+class LeaseLost(Exception):
+    """This attempt no longer holds its job's lease: another attempt took the job over."""
+
+
+class Lease:
+    def __init__(self, client: redis.Redis, key: str, worker: str, ttl_s: int) -> None:
+        self.r, self.key, self.ttl_s = client, key, ttl_s
+        self.owner = f"{worker}/{uuid.uuid4().hex[:12]}"
+        self._release: Any = client.register_script(RELEASE)
+        self._renew: Any = client.register_script(RENEW)
+
+    def take(self) -> bool:
+        return bool(self.r.set(self.key, self.owner, nx=True, ex=self.ttl_s))
+
+    def take_when_free(self, give_up: Callable[[], bool]) -> bool:
+        """Takes the lease once the attempt holding it ends or dies (its lease expires);
+        False when `give_up()` says the wait is over (the job ended meanwhile)."""
+        while not self.take():
+            if give_up():
+                return False
+            time.sleep(WAIT_POLL_S)
+        return True
+
+    def held(self) -> bool:
+        value: Any = self.r.get(self.key)
+        return value is not None and value.decode() == self.owner
+
+    def renew(self) -> bool:
+        return bool(self._renew(keys=[self.key], args=[self.owner, self.ttl_s]))
+
+    def release(self) -> None:
+        """Deletes the lease if it is still this attempt's, never another's."""
+        self._release(keys=[self.key], args=[self.owner])
