@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -21,10 +22,11 @@ from celery import Celery
 from fastapi import FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy.exc import OperationalError
 
 from api.admission import Admission, RecentLanes
 from api.auth import authenticate, bearer_key, tenant_for_key
-from api.errors import ApiError, bad_request, not_found
+from api.errors import ApiError, bad_request, not_found, unavailable
 from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest, parse_job_request
@@ -37,6 +39,8 @@ from tidegate.events import TERMINAL, Event
 from tidegate.fleet import read_fleet
 from tidegate.records import Heartbeat, JobStatus, WorkerState
 from tidegate.settings import Settings, get_settings
+
+log = logging.getLogger("tidegate.api")
 
 SSE_BLOCK_MS = 15_000
 API_THREADS = 12
@@ -99,15 +103,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="tidegate", version="0.1.0", lifespan=lifespan)
     app.state.deps = deps
     app.add_exception_handler(ApiError, handle_api_error)
+    app.add_exception_handler(syncredis.RedisError, handle_unreachable)
+    app.add_exception_handler(OperationalError, handle_unreachable)
     _routes(app, deps)
     return app
 
 
-async def handle_api_error(_: Request, exc: Exception) -> JSONResponse:
-    """An ApiError as its JSON body, naming the field at fault, with its headers."""
+async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
+    """An ApiError as its JSON body, naming the field at fault, with its headers; counted
+    by field (`none` when no field is at fault: a 404, a 503) for ops' refusal alerts."""
     assert isinstance(exc, ApiError)
+    request.app.state.deps.metrics.rejected.labels(exc.field or "none").inc()
     body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+async def handle_unreachable(request: Request, exc: Exception) -> JSONResponse:
+    """Redis or the database not answering is what the system lacks right now, not a bug:
+    a 503 with a retry hint (the invariant: never a 500)."""
+    what = "Redis" if isinstance(exc, syncredis.RedisError) else "the database"
+    log.error("%s %s: %s unreachable (%s)", request.method, request.url.path, what,
+              type(exc).__name__)
+    return await handle_api_error(request, unavailable(f"{what} is unavailable; retry later"))
 
 
 def _routes(app: FastAPI, deps: Deps) -> None:

@@ -3,11 +3,13 @@ tenants and jobs, queue lengths, reading a job's events)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import httpx
 import pytest
 import redis
+from celery import Celery
 
 from store import Store
 from tidegate import keys
@@ -26,6 +28,7 @@ class Stack:
     namespace: str
     workers: dict[str, str]  # lane -> worker name
     procs: list[Proc]
+    broker_url: str | None = None  # where its workers take tasks; None: the environment's
 
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=60,
@@ -41,11 +44,22 @@ def make_tenant(store: Store, name: str, lanes: list[str]) -> tuple[int, str]:
     return tenant.id, key
 
 
-def engine_stats(worker: str) -> dict:
-    from tasks.app import celery_app
+@functools.lru_cache(maxsize=4)
+def celery_on(broker_url: str | None) -> Celery:
+    """A Celery app on `broker_url` (None: the environment's), one per URL."""
+    from tasks.app import celery_app, make_app
+    from tidegate.settings import get_settings
 
-    replies = celery_app().control.broadcast("tidegate_stats", reply=True, destination=[worker],
-                                    timeout=10)
+    if broker_url is None:
+        return celery_app()
+    return make_app(get_settings().model_copy(update={"redis_url": broker_url}))
+
+
+def engine_stats(worker: str, broker_url: str | None = None) -> dict:
+    """The worker's answer to the tidegate_stats control command, sent on `broker_url`
+    (default: the environment's)."""
+    replies = celery_on(broker_url).control.broadcast("tidegate_stats", reply=True,
+                                                      destination=[worker], timeout=10)
     assert replies, f"worker {worker} did not answer the tidegate_stats control command"
     return replies[0][worker]
 
@@ -58,3 +72,13 @@ def postgres_or_skip() -> None:
         pg_admin("SELECT 1")
     except OperationalError as exc:
         pytest.skip(f"PostgreSQL unreachable at 127.0.0.1:5432 ({exc.orig})")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples in a Prometheus scrape whose labels include `labels`;
+    0 when none (a labelled series appears only once something was counted)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples
+               if s.name == name and labels.items() <= s.labels.items())

@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from api.app import FLEET_CACHE_S, create_app
 from store import Store, upgrade
 from tasks.app import queue_lengths
+from tests.helpers import metric
 from tidegate import keys
 from tidegate.settings import Settings
 
@@ -68,6 +69,11 @@ def post(http: TestClient, key: str | None, body: object = None, raw: bytes | No
                      headers={**headers, "Content-Type": "application/json"})
 
 
+def rejected(http: TestClient, field: str) -> float:
+    """`tidegate_requests_rejected_total` for the field, as /metrics shows it."""
+    return metric(http.get("/metrics").text, "tidegate_requests_rejected_total", field=field)
+
+
 LONG = "refund invoice order shipping " * 600
 
 CASES = [
@@ -87,6 +93,7 @@ CASES = [
      None, 422, "messages"),
     ("priority outside 0-9", {**OK, "priority": 10}, None, 422, "priority"),
     ("negative priority", {**OK, "priority": -1}, None, 422, "priority"),
+    ("deadline_s above the lane", {**OK, "deadline_s": 61}, None, 422, "deadline_s"),
     ("unknown LoRA adapter", {**OK, "lora": "nope"}, None, 422, "lora"),
     ("unknown field", {**OK, "colour": "blue"}, None, 422, "colour"),
     ("body over the size limit", None, json.dumps({**OK, "pad": "x" * 70_000}).encode(), 413,
@@ -98,11 +105,14 @@ CASES = [
                          ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_naming_the_field(api, name, body, raw, status, field) -> None:  # type: ignore[no-untyped-def]
     http, store, client, key = api
+    counted = rejected(http, field)
     resp = post(http, key, body, raw)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["field"] == field and field in error["message"]
+    assert error["type"] == "invalid_request"
     assert nothing_enqueued(store, client)
+    assert rejected(http, field) == counted + 1
 
 
 def test_prompt_longer_than_the_model_context(api) -> None:  # type: ignore[no-untyped-def]
@@ -124,6 +134,7 @@ def test_missing_or_wrong_api_key_is_401(api, header) -> None:  # type: ignore[n
     resp = http.post("/v1/jobs", json=OK, headers=headers)
     assert resp.status_code == 401
     assert resp.json()["error"]["field"] == "authorization"
+    assert resp.json()["error"]["type"] == "unauthorized"
     assert nothing_enqueued(store, client)
 
 
@@ -131,6 +142,7 @@ def test_a_lane_the_tenant_may_not_use_is_403(api) -> None:  # type: ignore[no-u
     http, store, client, key = api
     resp = post(http, key, {**OK, "lane": "finance"})
     assert resp.status_code == 403 and resp.json()["error"]["field"] == "lane"
+    assert resp.json()["error"]["type"] == "forbidden"
     assert nothing_enqueued(store, client)
 
 
@@ -178,8 +190,11 @@ def _cleanup(store: Store, client: redis.Redis, job_id: str) -> None:
 def test_no_active_worker_for_the_lane_is_503_with_retry_after(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
     _, finance_key = store.create_tenant("validation-no-worker", ["finance"])
+    counted = rejected(http, "none")
     resp = post(http, finance_key, {**OK, "lane": "finance"})
     assert resp.status_code == 503 and "Retry-After" in resp.headers
+    assert resp.json()["error"]["type"] == "unavailable"
+    assert rejected(http, "none") == counted + 1
     assert "no healthy worker serves lane 'finance'" in resp.json()["error"]["message"]
     assert nothing_enqueued(store, client)
 
@@ -201,6 +216,7 @@ def test_rate_limits_answer_429_with_retry_after(api) -> None:  # type: ignore[n
     assert [r.status_code for r in accepted] == [202, 202]
     refused = post(http, key, {**OK, "idempotency_key": "rl-3"})
     assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "rate_limited"
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
     assert "2 requests per minute" in refused.json()["error"]["message"]
     assert store.count_jobs() == 2 and waiting(client, "chat.vllm") == 2
@@ -310,3 +326,72 @@ def test_another_tenants_session_is_403_and_nothing_is_written(api) -> None:  # 
     assert error["field"] == "session_id" and "session_id" in error["message"]
     assert nothing_enqueued(store, client)
     assert store.get_session("their-chat").turns == 1  # type: ignore[union-attr]
+
+
+# -- DELETE and session affinity: what the API does with nothing consuming ---------------
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def sse_events(http: TestClient, key: str, job_id: str) -> list[dict]:  # type: ignore[type-arg]
+    """The job's SSE events (the stream ends at a terminal one)."""
+    with http.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth(key)) as resp:
+        assert resp.status_code == 200
+        return [json.loads(line[5:]) for line in resp.iter_lines() if line.startswith("data:")]
+
+
+def test_delete_of_a_queued_job_ends_it_cancelled_for_its_consumer(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, key = api
+    job_id = post(http, key, OK).json()["job_id"]
+    with cleaned_up(store, client, job_id):
+        resp = http.delete(f"/v1/jobs/{job_id}", headers=auth(key))
+        assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
+        job = store.get_job(job_id)
+        assert job is not None and job.status == "cancelled" and job.started_at is None
+        # No worker ever ran it: its consumer still hears the end.
+        (done,) = sse_events(http, key, job_id)
+        assert done["kind"] == "done" and done["data"]["finish_reason"] == "cancelled"
+
+
+def test_delete_of_another_tenants_job_is_404_and_leaves_it_queued(api) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, key = api
+    _, other_key = store.create_tenant("validation-other-deleter", ["chat"])
+    job_id = post(http, key, OK).json()["job_id"]
+    with cleaned_up(store, client, job_id):
+        resp = http.delete(f"/v1/jobs/{job_id}", headers=auth(other_key))
+        assert resp.status_code == 404
+        assert resp.json()["error"]["type"] == "not_found"
+        job = store.get_job(job_id)
+        assert job is not None and job.status == "queued"
+        ns = http.app.state.deps.settings.namespace
+        assert not client.exists(keys.job_cancel(ns, job_id))
+        assert not client.exists(keys.job_events(ns, job_id))
+        assert waiting(client, "chat.vllm") == 1
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+def test_session_affinity_setting(api, affinity: bool) -> None:  # type: ignore[no-untyped-def]
+    """On, a session's turn goes to the direct queue of the worker holding its prefix;
+    off (TIDEGATE_SESSION_AFFINITY=false), to the lane's pool like any job."""
+    http, store, client, key = api
+    settings = http.app.state.deps.settings.model_copy(update={"session_affinity": affinity})
+    direct = keys.direct_queue(settings.namespace, "chat-advertised@test")
+    session = f"validation-affinity-{affinity}"
+    body = {**OK, "session_id": session}
+    with TestClient(create_app(settings)) as other:
+        first = post(other, key, body)
+        assert first.status_code == 202, first.text
+        with cleaned_up(store, client, first.json()["job_id"]):
+            store.set_session_worker(session, "chat-advertised@test")  # it ran there
+            resp = post(other, key, body)
+            assert resp.status_code == 202, resp.text
+            with cleaned_up(store, client, resp.json()["job_id"]):
+                job = store.get_job(resp.json()["job_id"])
+                client.delete(*keys.queue_sublists(direct))
+    assert job is not None and job.route_reason is not None
+    if affinity:
+        assert job.queue == direct and job.route_reason.startswith("session affinity")
+    else:
+        assert job.queue == "chat.vllm" and "session affinity" not in job.route_reason

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from api.client import Client
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats
+from tests.helpers import Stack, engine_stats, metric
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.settings import get_settings
@@ -103,11 +104,18 @@ def test_pubsub_subscribers_see_the_same_events_live(stack: Stack) -> None:
 
 def test_delete_during_generation_ends_the_stream_cancelled_and_frees_the_engine(
         stack: Stack) -> None:
-    """The engine's abort itself is the contract suite's (test_engine_contract.py): here the
-    test model can make 1,800 tokens before a DELETE lands, so the worker must end the job
-    cancelled whether the engine is still generating or only its output is left to send."""
-    worker = stack.workers["finance"]
-    job_id = submit(stack, "finance", max_tokens=1800)
+    """The engine's abort itself is the contract suite's (test_engine_contract.py). Chat,
+    whose lane yields the CPU: a finance job at full speed on two cores starves this process
+    (and the API) for seconds, so its DELETE landed at the job's very end, where the worker's
+    cancel poll can miss it."""
+    check_delete_during_generation(stack, "chat", 256)
+
+
+def check_delete_during_generation(stack: Stack, lane: str, max_tokens: int) -> None:
+    """A DELETE once the job started: its stream ends cancelled, early, its row says so and
+    its engine holds nothing of it."""
+    worker = stack.workers[lane]
+    job_id = submit(stack, lane, max_tokens=max_tokens)
     with Client(stack.base_url, stack.api_key) as client:
         events = []
         for event in client.stream(job_id):
@@ -115,20 +123,59 @@ def test_delete_during_generation_ends_the_stream_cancelled_and_frees_the_engine
             if event.kind == "started":
                 assert client.cancel(job_id)["status"] == "cancelled"
     assert events[-1].kind == "done" and events[-1].data["finish_reason"] == "cancelled"
-    assert sum(len(e.token_ids) for e in events) < 1800
+    assert sum(len(e.token_ids) for e in events) < max_tokens
     job = stack.store.get_job(job_id)
     assert job is not None and job.status == "cancelled"
-    assert engine_stats(worker)["unfinished"] == 0  # the engine no longer holds the request
+    # The engine no longer holds the request.
+    assert engine_stats(worker, stack.broker_url)["unfinished"] == 0
 
 
 def test_32_jobs_in_flight_run_batched(stack: Stack) -> None:
+    """The engine's running count, sampled while this test's jobs are in flight (the
+    engine idle before them), shows several of them in one step."""
     worker = stack.workers["chat"]
+    wait_until(lambda: engine_stats(worker)["running"] == 0, 30, "the chat engine to be idle")
     with ThreadPoolExecutor(32) as pool:
         job_ids = list(pool.map(lambda _: submit(stack, "chat", max_tokens=64), range(32)))
-        results = list(pool.map(lambda j: consume(stack, j), job_ids))
+        streams = [pool.submit(consume, stack, j) for j in job_ids]
+        running = []
+        while not all(f.done() for f in streams):
+            running.append(engine_stats(worker)["running"])
+        results = [f.result() for f in streams]
     assert all(r[-1].kind == "done" for r in results)
     assert all(sum(len(e.token_ids) for e in r) == 64 for r in results)
-    assert engine_stats(worker)["max_running_seen"] > 1
+    assert max(running) > 1, f"running counts seen during the load: {sorted(set(running))}"
+
+
+def test_an_engine_error_reaches_the_consumer_as_an_error_event(stack: Stack) -> None:
+    """A prompt the engine refuses (longer than the model's context: the API refuses those,
+    so it is sent as a task directly) ends the job `error` with the engine's reason, heard
+    by its consumer; the worker goes on serving."""
+    job_id = str(uuid.uuid4())
+    stack.store.create_job(job_id, stack.tenant_id, "chat", "chat.vllm", 5, None,
+                           {"max_tokens": 8}, 2500)
+    payload = GeneratePayload(job_id=job_id, lane="chat", prompt=" refund" * 2500,
+                              prompt_tokens=2500, sampling=Sampling(max_tokens=8))
+    send_generate(make_app(get_settings()), payload, "chat.vllm", 5)
+    events = consume(stack, job_id)
+    assert [e.kind for e in events] == ["started", "error"]
+    error = events[-1].data
+    assert error["code"] == "engine_rejected" and error["message"]
+    job = stack.store.get_job(job_id)
+    assert job is not None and job.status == "error" and job.error == error["message"]
+    assert consume(stack, submit(stack, "chat", max_tokens=4))[-1].kind == "done"
+
+
+def test_top_p_reaches_the_engine(stack: Stack) -> None:
+    """Through the API: a tiny top_p leaves one candidate per step, so two seeds give the
+    same tokens at temperature 1; with top_p 1 they sample otherwise."""
+    def ids(**sampling: object) -> list[int]:
+        events = consume(stack, submit(stack, "chat", max_tokens=16, temperature=1.0,
+                                       **sampling))
+        return [i for e in events for i in e.token_ids]
+
+    assert ids(top_p=0.001, seed=1) == ids(top_p=0.001, seed=2)
+    assert ids(top_p=1.0, seed=1) != ids(top_p=1.0, seed=2)
 
 
 def test_a_second_delivery_of_a_finished_job_does_not_generate_again(stack: Stack) -> None:
@@ -152,19 +199,83 @@ def test_a_second_delivery_of_a_finished_job_does_not_generate_again(stack: Stac
     assert again is not None and again.attempts == job.attempts == 1
 
 
-def test_metrics_expose_latency_histograms_by_lane(stack: Stack) -> None:
-    job_id = submit(stack, "chat", max_tokens=4)
-    consume(stack, job_id)
+def wait_idle(stack: Stack, lane: str) -> None:
+    """No job of the lane's worker in flight, so what changes next is the test's own."""
+    worker = stack.workers[lane]
+    wait_until(lambda: engine_stats(worker, stack.broker_url)["in_flight"] == 0, 60,
+               f"{worker} to be idle")
+
+
+def check_metrics_count_one_job(stack: Stack, lane: str) -> None:
+    """Scrapes before and after one job: each histogram counts it once, with the row's
+    figures, and the accepted and finished counters rise by one."""
+    wait_idle(stack, lane)
     with stack.http() as http:
-        def observed() -> bool:
-            text = http.get("/metrics").text
-            return 'tidegate_ttft_ms_count{lane="chat"}' in text
-        wait_until(observed, 10, "the API to observe the finished job")
-        text = http.get("/metrics").text
-    for name in ("queue_wait_ms", "ttft_ms", "tpot_ms", "e2e_ms"):
-        prefix = f'tidegate_{name}_count{{lane="chat"}}'
-        line = next(x for x in text.splitlines() if x.startswith(prefix))
-        assert float(line.split()[-1]) >= 1
+        before = http.get("/metrics").text
+        job_id = submit(stack, lane, max_tokens=8)
+        consume(stack, job_id)
+
+        def rise(text: str, name: str, **labels: str) -> float:
+            return metric(text, name, lane=lane, **labels) - metric(before, name, lane=lane,
+                                                                     **labels)
+
+        wait_until(lambda: rise(http.get("/metrics").text, "tidegate_e2e_ms_count") > 0, 10,
+                   "the API to observe the finished job")
+        after = http.get("/metrics").text
+    job = stack.store.get_job(job_id)
+    assert job is not None and job.finished_at is not None
+    figures = {"queue_wait_ms": job.queue_wait_ms, "ttft_ms": job.ttft_ms,
+               "tpot_ms": job.tpot_ms,
+               "e2e_ms": (job.finished_at - job.enqueued_at).total_seconds() * 1000}
+    for name, value in figures.items():
+        assert value is not None, name
+        assert rise(after, f"tidegate_{name}_count") == 1, name
+        assert rise(after, f"tidegate_{name}_sum") == pytest.approx(value, abs=0.01), name
+    assert rise(after, "tidegate_jobs_total") == 1
+    assert rise(after, "tidegate_jobs_finished_total", status="done") == 1
+
+
+def test_metrics_count_one_job_with_its_rows_figures(stack: Stack) -> None:
+    check_metrics_count_one_job(stack, "chat")
+
+
+def test_kv_gauges_follow_a_running_load(stack: Stack) -> None:
+    """While jobs run, their worker's KV cache usage shows above 0 in /metrics, and back
+    at 0 once they ended; their prompts' tokens were looked up in the prefix cache. (Chat:
+    its lane yields the CPU, so this process scrapes while the jobs run.)"""
+    worker = stack.workers["chat"]
+    wait_idle(stack, "chat")
+
+    def gauge(name: str) -> float:
+        with stack.http() as http:
+            return metric(http.get("/metrics").text, name, worker=worker)
+
+    wait_until(lambda: gauge("tidegate_worker_kv_cache_usage") == 0, 10,
+               "KV cache usage at 0 before the jobs")
+    queries = gauge("tidegate_worker_prefix_cache_queries_tokens")
+    with ThreadPoolExecutor(8) as pool:
+        job_ids = list(pool.map(lambda _: submit(stack, "chat", max_tokens=256), range(8)))
+        streams = [pool.submit(consume, stack, j) for j in job_ids]
+        wait_until(lambda: gauge("tidegate_worker_kv_cache_usage") > 0, 30,
+                   "KV cache usage above 0 while the jobs run")
+        assert all(f.result()[-1].kind == "done" for f in streams)
+    wait_until(lambda: gauge("tidegate_worker_kv_cache_usage") == 0, 10,
+               "KV cache usage back at 0 after the jobs")
+    prompt_tokens = sum(job.prompt_tokens for j in job_ids if (job := stack.store.get_job(j)))
+    assert gauge("tidegate_worker_prefix_cache_queries_tokens") >= queries + prompt_tokens
+
+
+def test_a_refused_request_is_counted_by_its_field(stack: Stack) -> None:
+    with stack.http() as http:
+        before = http.get("/metrics").text
+        resp = http.post("/v1/jobs", json={"lane": "chat", "messages": MESSAGES,
+                                           "max_tokens": 0})
+        assert resp.status_code == 422
+        after = http.get("/metrics").text
+    name = "tidegate_requests_rejected_total"
+    assert metric(after, name, field="max_tokens") == metric(before, name,
+                                                             field="max_tokens") + 1
+    assert metric(after, name) == metric(before, name) + 1  # no other field counted it
 
 
 def test_readyz_reports_each_dependency(stack: Stack) -> None:

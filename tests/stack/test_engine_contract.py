@@ -152,13 +152,33 @@ def test_streaming_order(host: EngineHost, tokenizer: Any) -> None:
     assert {d.prompt_tokens for d in deltas} == {prompt_tokens}
 
 
-def test_seed_makes_sampling_repeatable(host: EngineHost) -> None:
+def sampled(host: EngineHost, seed: int, temperature: float = 0.8, **kw: Any) -> list[int]:
     # A short prompt: seeded requests whose prefill is chunked crash vLLM's CPU build.
-    runs = [collect(host, request("Refund status, please.", max_tokens=16, temperature=0.8,
-                                  seed=20261202)) for _ in range(2)]
-    for deltas in runs:
-        assert_complete(deltas, 16)
-    assert tokens(runs[0]) == tokens(runs[1])
+    deltas = collect(host, request("Refund status, please.", max_tokens=16,
+                                   temperature=temperature, seed=seed, **kw))
+    assert_complete(deltas, 16)
+    return tokens(deltas)
+
+
+def test_seed_makes_sampling_repeatable(host: EngineHost) -> None:
+    first = sampled(host, 20261202)
+    assert sampled(host, 20261202) == first
+    # The controls: another seed samples otherwise, and sampling is not greedy decoding
+    # (a temperature the engine ignored would give every seed the same tokens).
+    assert sampled(host, 7) != first
+    greedy = sampled(host, 20261202, temperature=0.0)
+    assert sampled(host, 7, temperature=0.0) == greedy  # no sampling: the seed plays no part
+    assert first != greedy
+
+
+def test_top_p_keeps_only_the_most_likely_tokens(host: EngineHost) -> None:
+    """A tiny top_p leaves one candidate per step: two seeds give the same tokens at
+    temperature 1; with top_p 1 they sample otherwise. (Not compared with greedy decoding:
+    where two logits tie, argmax and top_p may keep different ones of them.)"""
+    assert sampled(host, 1, temperature=1.0, top_p=0.001) == sampled(
+        host, 2, temperature=1.0, top_p=0.001)
+    assert sampled(host, 1, temperature=1.0, top_p=1.0) != sampled(
+        host, 2, temperature=1.0, top_p=1.0)
 
 
 def test_cancel_mid_stream_aborts_in_the_engine(host: EngineHost) -> None:
@@ -191,8 +211,11 @@ def test_warm_prompts_give_prefix_cache_hits(host: EngineHost, tokenizer: Any) -
 
 
 def test_concurrent_requests_are_batched(host: EngineHost) -> None:
+    """The running count, sampled during this test's own load, shows several requests in
+    one step (the engine idle before it, so no earlier test's figure counts)."""
     n, results = 8, {}
     gate = threading.Barrier(n)
+    assert wait_for(host, lambda s: s.running == 0).running == 0
 
     def one(i: int) -> None:
         gate.wait()
@@ -201,12 +224,16 @@ def test_concurrent_requests_are_batched(host: EngineHost) -> None:
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
+    running = []
+    while any(t.is_alive() for t in threads):
+        running.append(host.engine.stats().running)
+        time.sleep(0.005)  # the sampling period, not a wait for anything
     for t in threads:
         t.join(timeout=REQUEST_TIMEOUT_S)
     assert sorted(results) == list(range(n))
     for deltas in results.values():
         assert_complete(deltas, 32)
-    assert host.engine.stats().max_running_seen > 1
+    assert max(running) > 1, f"running counts seen during the load: {sorted(set(running))}"
 
 
 def test_precision_is_reported_as_configured(host: EngineHost) -> None:

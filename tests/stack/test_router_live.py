@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,28 @@ def test_new_jobs_go_to_the_fallback_once_the_primary_is_gone(stack: Stack,
     assert events[-1].kind == "done"
     assert job["worker"] == pools.fallback and job["queue"] == "support.fallback"
     assert job["route_reason"].startswith("fallback pool fallback")
+
+
+def test_the_lane_queue_serves_priority_first_then_arrival_order(stack: Stack,
+                                                                 pools: Pools) -> None:
+    """Plain jobs now go to the fallback pool's queue, which its one-slot worker takes one
+    at a time. While a long job holds the slot, jobs of two priorities arrive interleaved:
+    the urgent ones start first, and each priority starts in its arrival order."""
+    with Client(stack.base_url, stack.api_key) as client:
+        blocker = client.submit("support", prompt=PROMPT, max_tokens=1500)["job_id"]
+        wait_until(lambda: client.job(blocker)["started_at"] is not None, 60,
+                   "the long job to take the slot")
+        arrivals = [(priority, client.submit("support", prompt=PROMPT, max_tokens=2,
+                                             priority=priority)["job_id"])
+                    for _ in range(3) for priority in (1, 8)]
+        for job_id in [blocker, *(j for _, j in arrivals)]:
+            assert list(client.stream(job_id))[-1].kind == "done"
+        rows = {j: client.job(j) for j in [blocker, *(j for _, j in arrivals)]}
+    assert {r["queue"] for r in rows.values()} == {"support.fallback"}
+    # The backlog was real: every job arrived while the long one still ran.
+    def at(job_id: str, name: str) -> datetime:
+        return datetime.fromisoformat(rows[job_id][name])
+
+    assert max(at(j, "enqueued_at") for _, j in arrivals) < at(blocker, "finished_at")
+    started = sorted((j for _, j in arrivals), key=lambda j: at(j, "started_at"))
+    assert started == [j for p, j in arrivals if p == 8] + [j for p, j in arrivals if p == 1]

@@ -7,8 +7,12 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
+from datetime import UTC
+from typing import Any
 
+import httpx
 import pytest
 
 from api.client import AsyncClient, Client, TidegateError
@@ -27,6 +31,7 @@ class DroppingProxy:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.connections = 0
+        self.cut_at: list[float] = []  # time.time() of each cut
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -41,13 +46,13 @@ class DroppingProxy:
             threading.Thread(target=self._pipe, args=(client, upstream, None), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, cut), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, cut: int | None) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, cut: int | None) -> None:
         passed = 0
         try:
             while chunk := src.recv(4096):
                 if cut is not None and passed + len(chunk) >= cut:
                     dst.sendall(chunk[: cut - passed])
+                    self.cut_at.append(time.time())
                     break
                 dst.sendall(chunk)
                 passed += len(chunk)
@@ -123,3 +128,77 @@ def test_sdk_raises_with_the_field_at_fault(stack: Stack) -> None:
     with Client(stack.base_url, stack.api_key) as client, pytest.raises(TidegateError) as err:
         client.submit("chat", prompt=PROMPT, max_tokens=0)
     assert err.value.status == 422 and err.value.field == "max_tokens"
+
+
+# -- resuming while the job still generates -----------------------------------------------
+
+# The chat lane's longest output: about a second of generation, and the lane yields the
+# CPU (cpu_nice), so this process reads the stream while the job generates. (A finance
+# job at full speed on two cores left the reader nothing until its last tokens.)
+LIVE_TOKENS = 256
+
+
+def submit_live(stack: Stack) -> str:
+    with Client(stack.base_url, stack.api_key) as client:
+        return str(client.submit("chat", prompt=PROMPT, max_tokens=LIVE_TOKENS)["job_id"])
+
+
+def final_stream(stack: Stack, job_id: str) -> list[Event]:
+    """The whole stream in one connection, read once the job ended."""
+    with Client(stack.base_url, stack.api_key) as client:
+        events = list(client.stream(job_id))
+    assert events[-1].kind == "done"
+    assert sum(len(e.token_ids) for e in events) == LIVE_TOKENS
+    return events
+
+
+def finished_at(stack: Stack, job_id: str) -> float:
+    job = stack.store.get_job(job_id)
+    assert job is not None and job.finished_at is not None
+    at = job.finished_at
+    return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()
+
+
+def test_sync_stream_resumes_while_the_job_is_generating(stack: Stack) -> None:
+    job_id = submit_live(stack)
+    proxy = DroppingProxy(_port(stack), cut_bytes=900, drops=3)
+    try:
+        with Client(f"http://127.0.0.1:{proxy.port}", stack.api_key) as client:
+            got = list(client.stream(job_id))
+    finally:
+        proxy.close()
+    assert len(proxy.cut_at) == 3
+    # The first cut came mid-generation (the later ones may find the job done: the client
+    # waits a little before it reconnects).
+    assert min(proxy.cut_at) < finished_at(stack, job_id)
+    assert got == final_stream(stack, job_id)
+
+
+def sse(http: httpx.Client, job_id: str, stop_after: int | None = None,
+        **request: Any) -> list[Event]:
+    """The job's events over one connection: to the terminal one, or the first
+    `stop_after`, then the connection is closed mid-stream."""
+    events: list[Event] = []
+    with http.stream("GET", f"/v1/jobs/{job_id}/events", **request) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                events.append(Event.from_json(line[5:].strip()))
+                if len(events) == stop_after:
+                    break
+    return events
+
+
+@pytest.mark.parametrize("by", ["header", "query"])
+def test_a_stream_dropped_mid_generation_resumes_after_last_event_id(stack: Stack,
+                                                                     by: str) -> None:
+    job_id = submit_live(stack)
+    with stack.http() as http:
+        first = sse(http, job_id, stop_after=5)
+        status = http.get(f"/v1/jobs/{job_id}").json()["status"]
+        last = str(first[-1].seq)
+        resume = {"headers": {"Last-Event-ID": last}} if by == "header" else {
+            "params": {"last_event_id": last}}
+        rest = sse(http, job_id, **resume)
+    assert status == "running"  # the connection dropped while the job generated
+    assert first + rest == final_stream(stack, job_id)

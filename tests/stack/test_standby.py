@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -18,7 +19,8 @@ import pytest
 
 from api.client import Client
 from scheduler import autoscale, control, health
-from tasks.app import make_app
+from tasks.app import make_app, send_generate
+from tasks.payloads import GeneratePayload, Sampling
 from tests.helpers import Stack
 from tidegate import keys
 from tidegate.fleet import read_heartbeat
@@ -28,6 +30,8 @@ from tidegate_tools.procs import Proc, start_worker, tidegate_argv, wait_until
 
 LANE, QUEUE = "standby", "standby.vllm"
 PROMPT = "Where is my parcel?"
+# Long enough to fill several KV blocks, whatever the engine's block size.
+PARCEL_DESK = "You are the parcel desk of the shop. Answer about parcels and deliveries. " * 8
 
 
 @dataclass
@@ -79,6 +83,28 @@ def pair(stack: Stack, tmp_root: Path) -> Iterator[Pair]:
     finally:
         for proc in p.procs.values():
             proc.stop()
+
+
+def send_direct(stack: Stack, worker: str, prompt: str, max_tokens: int = 4) -> str:
+    """A job straight to one worker's direct queue, so that no other worker can take it;
+    the stack's tenant owns it. Returns its id."""
+    job_id, queue = str(uuid.uuid4()), keys.direct_queue(stack.namespace, worker)
+    stack.store.create_job(job_id, stack.tenant_id, LANE, queue, 5, None,
+                           {"max_tokens": max_tokens}, 4)
+    payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=prompt, prompt_tokens=4,
+                              sampling=Sampling(max_tokens=max_tokens))
+    send_generate(make_app(get_settings()), payload, queue, 5)
+    return job_id
+
+
+def cached_tokens(stack: Stack, worker: str, prompt: str) -> int:
+    """One job of `prompt` on `worker`: the prompt tokens it found in the prefix cache."""
+    job_id = send_direct(stack, worker, prompt)
+    with Client(stack.base_url, stack.api_key) as client:
+        assert list(client.stream(job_id))[-1].kind == "done"
+    job = stack.store.get_job(job_id)
+    assert job is not None and job.worker == worker
+    return job.cached_tokens or 0
 
 
 def run(stack: Stack, key: str, n: int = 1, **options: object) -> list[dict]:
@@ -145,13 +171,14 @@ def test_the_scheduler_prewarms_a_standby_worker_ahead_of_forecast_traffic(
     assert control.activate(app, stack.redis, settings, pair.a, LANE, "vllm")
     wait_until(lambda: state_of(stack, pair.a) == "active", 10, "a to report active")
     assert state_of(stack, pair.b) == "standby"  # since the drain
-    system = {"role": "system", "content": "You are the parcel desk of the shop."}
+    system = {"role": "system", "content": PARCEL_DESK}
     with Client(stack.base_url, pair.key) as client:  # type: ignore[attr-defined]
         job = client.submit(LANE, messages=[system, {"role": "user", "content": PROMPT}],
                             max_tokens=4)
         assert list(client.stream(job["job_id"]))[-1].kind == "done"
-    hot = autoscale.hot_prefixes(stack.redis, settings, LANE)
-    assert any(system["content"] in p for p in hot)  # recorded by the API, rendered
+    hot = [p for p in autoscale.hot_prefixes(stack.redis, settings, LANE)
+           if system["content"] in p]
+    assert len(hot) == 1  # recorded by the API, rendered with the chat template
 
     now = datetime.now(UTC)
     assert autoscale.autoscale(app, stack.redis, stack.store, settings, now=now) == []
@@ -165,52 +192,131 @@ def test_the_scheduler_prewarms_a_standby_worker_ahead_of_forecast_traffic(
         ("activate", pair.b, True)]
     assert actions[0]["want_active"] >= 2 and actions[0]["forecast_rps"] > 100
     wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b to report active")
+    # b never served the parcel desk, yet its next request starting with it finds it in
+    # the cache; one starting with a prefix of the same length it never saw does not.
+    warmed = cached_tokens(stack, pair.b, hot[0] + PROMPT)
+    unseen = cached_tokens(stack, pair.b, hot[0].replace("parcel", "invoice") + PROMPT)
+    assert warmed > unseen, (warmed, unseen)
+
+
+def force_latency(stack: Stack, worker: str, latency_ms: float | None) -> None:
+    """The worker reports this allocation latency (None: its engine's own again)."""
+    make_app(get_settings()).control.broadcast(
+        "tidegate_fault", arguments={"alloc_latency_ms": latency_ms}, destination=[worker],
+        reply=True, timeout=5)
+    if latency_ms is not None:
+        wait_until(lambda: alloc_latency_ms(stack, worker) == latency_ms, 10,
+                   f"{worker} to report the forced latency")
+
+
+def test_a_restart_that_would_leave_the_lane_below_its_minimum_is_deferred(
+        stack: Stack, pair: Pair) -> None:
+    """With b the lane's only active worker (its minimum is 1), its slow allocator gets
+    the cheap fix and then no restart: b keeps its process and keeps serving."""
+    app, settings = make_app(get_settings()), get_settings()
+    assert control.activate(app, stack.redis, settings, pair.b, LANE, "vllm")
+    assert control.deactivate(app, stack.redis, settings, pair.a, LANE, "vllm")
+    wait_until(lambda: state_of(stack, pair.a) == "standby" and state_of(stack, pair.b)
+               == "active", 10, "a in standby and b active")
+    old_boot = boot_of(stack, pair.b)
+    try:
+        force_latency(stack, pair.b, 900.0)
+        checks = [health.check(app, stack.redis, settings) for _ in range(3)]
+    finally:
+        force_latency(stack, pair.b, None)
+        stack.redis.delete(keys.health_strikes(stack.namespace, pair.b))
+    assert checks[0] == []
+    assert [(a["action"], a["worker"]) for a in checks[1]] == [("reset_prefix_cache", pair.b)]
+    assert [(a["action"], a["worker"]) for a in checks[2]] == [("restart_deferred", pair.b)]
+    assert "below its minimum" in checks[2][0]["reason"]
+    assert boot_of(stack, pair.b) == old_boot and state_of(stack, pair.b) == "active"
+    assert {j["worker"] for j in run(stack, pair.key, n=2)} == {pair.b}  # type: ignore[attr-defined]
+
+
+class Load(threading.Thread):
+    """Submits one lane job after another until stopped; records each finished row and
+    anything that went wrong (a job not finished in time is a failure, not a hang)."""
+
+    def __init__(self, stack: Stack, key: str) -> None:
+        super().__init__(name="load", daemon=True)
+        self.stack, self.key = stack, key
+        self.served: list[dict] = []
+        self.failures: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with Client(self.stack.base_url, self.key) as client:
+            while not self.stop.is_set():
+                try:
+                    self.served.append(self.one(client))
+                except Exception as exc:  # recorded and asserted on by the test
+                    self.failures.append(repr(exc))
+
+    @staticmethod
+    def one(client: Client) -> dict:
+        job_id = client.submit(LANE, prompt=PROMPT, max_tokens=4)["job_id"]
+        rows = []
+
+        def ended() -> bool:
+            rows.append(client.job(job_id))
+            return rows[-1]["status"] not in ("queued", "running")
+
+        wait_until(ended, 60, f"job {job_id} to end")
+        return rows[-1]
 
 
 @pytest.mark.timeout(900)  # a restart loads a new engine while the other worker is busy
 def test_high_allocation_latency_gets_the_cheap_fix_then_a_rolling_restart(
         stack: Stack, pair: Pair) -> None:
     """The health sequence on a worker whose allocation latency stays over the threshold:
-    first its prefix cache is reset; when that does not help, it is drained, its process
-    restarts with a fresh engine, is warmed and reactivated. The lane's other worker serves
-    every job throughout."""
+    first its prefix cache is reset; when that does not help, it is drained (the jobs it
+    runs finish), its process restarts with a fresh engine, is warmed and reactivated.
+    The lane's other worker serves every job throughout."""
     app, settings = make_app(get_settings()), get_settings()
     assert control.activate(app, stack.redis, settings, pair.a, LANE, "vllm")
     assert control.activate(app, stack.redis, settings, pair.b, LANE, "vllm")
     wait_until(lambda: state_of(stack, pair.b) == "active" == state_of(stack, pair.a), 10,
                "both workers active")
     old_boot = boot_of(stack, pair.b)
-    app.control.broadcast("tidegate_fault", arguments={"alloc_latency_ms": 900.0},
-                          destination=[pair.b], reply=True, timeout=5)
-    wait_until(lambda: alloc_latency_ms(stack, pair.b) == 900.0, 10,
-               "b to report the forced latency")
+    force_latency(stack, pair.b, 900.0)
+    # A prefix b holds, to show the reset: b finds it cached before, and not after.
+    ticket = f"Ticket {uuid.uuid4().hex}: " + PARCEL_DESK
+    cached_tokens(stack, pair.b, ticket + PROMPT)
+    assert cached_tokens(stack, pair.b, ticket + "Is it insured?") > 0
 
-    served: list[dict] = []
-    stop = threading.Event()
+    assert health.check(app, stack.redis, settings) == []  # strike one: watch only
+    second = health.check(app, stack.redis, settings)  # strike two: the cheap fix
+    assert [(a["action"], a["worker"]) for a in second] == [("reset_prefix_cache", pair.b)]
+    assert cached_tokens(stack, pair.b, ticket + "Is it late?") == 0
 
-    def keep_serving() -> None:
-        while not stop.is_set():
-            served.extend(run(stack, pair.key, n=1))  # type: ignore[attr-defined]
-
-    load = threading.Thread(target=keep_serving)
+    load = Load(stack, pair.key)  # type: ignore[attr-defined]
     load.start()
+    # Jobs b runs when the restart begins: the drain lets them finish.
+    running_on_b = [send_direct(stack, pair.b, PROMPT, max_tokens=1800) for _ in range(3)]
+    wait_until(lambda: all(_started(stack, j) for j in running_on_b), 60,
+               "the long jobs to start on b")
     try:
-        first = health.check(app, stack.redis, settings)  # strike one: watch only
-        second = health.check(app, stack.redis, settings)  # strike two: the cheap fix
         third = health.check(app, stack.redis, settings)  # it did not help: restart
     finally:
-        stop.set()
+        load.stop.set()
         load.join(timeout=120)
-    assert first == []
-    assert [(a["action"], a["worker"]) for a in second] == [("reset_prefix_cache", pair.b)]
-    assert [(a["action"], a["worker"], a["restarted"], a["reactivated"]) for a in third] == [
-        ("rolling_restart", pair.b, True, True)]
-    assert served and all(j["status"] == "done" for j in served)
+    assert [(a["action"], a["worker"], a["drained"], a["restarted"], a["reactivated"])
+            for a in third] == [("rolling_restart", pair.b, True, True, True)]
+    assert not load.is_alive() and load.failures == []
+    assert load.served and all(j["status"] == "done" for j in load.served)
+    for job_id in running_on_b:
+        job = stack.store.get_job(job_id)
+        assert job is not None and job.status == "done" and job.completion_tokens == 1800
     wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b's heartbeat to say active")
     assert boot_of(stack, pair.b) != old_boot  # a new process, with a new engine, serves
     assert alloc_latency_ms(stack, pair.b) != 900.0  # the fault is gone
     assert state_of(stack, pair.a) == "active"
-    assert run(stack, pair.key, n=4)  # and the lane serves with both
+    assert run(stack, pair.key, n=4)  # type: ignore[attr-defined]  # the lane serves with both
+
+
+def _started(stack: Stack, job_id: str) -> bool:
+    job = stack.store.get_job(job_id)
+    return job is not None and job.started_at is not None
 
 
 def test_two_beats_running_together_act_once_per_period(stack: Stack, pair: Pair,

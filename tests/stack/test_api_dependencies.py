@@ -1,0 +1,119 @@
+"""The API when a dependency is down, in-process (FastAPI's TestClient) on a Redis DB and a
+database of its own. Each case points one dependency of the settings at nothing: `/readyz`
+answers 503 naming it while `/healthz` stays 200; a submit the broker cannot take answers
+503 and leaves no job row."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api.app import create_app
+from store import Store, upgrade
+from tasks.app import make_app, queue_lengths
+from tidegate import keys
+from tidegate.settings import Settings
+from tidegate_tools.procs import free_port
+
+WORKER = "chat-deps@test"
+OK = {"lane": "chat", "messages": [{"role": "user", "content": "Is my refund on its way?"}],
+      "max_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def settings(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Settings]:
+    url = f"sqlite:///{tmp_root / 'dependencies.db'}"
+    upgrade(url)
+    up = Settings(redis_url=redis_server.rsplit("/", 1)[0] + "/3", database_url=url)
+    yield up
+    redis.Redis.from_url(up.redis_url).flushdb()
+
+
+def advertise(settings: Settings, state: str) -> None:
+    """The heartbeat a chat worker in `state` would write (no worker runs here)."""
+    body = {"name": WORKER, "state": state, "lanes": ["chat"], "pool": "vllm",
+            "engine": "vllm", "slots": 4, "kv_cache_dtype": "fp8", "dtype": "float16",
+            "stats": {}}
+    redis.Redis.from_url(settings.redis_url).set(
+        keys.worker_heartbeat(settings.namespace, WORKER), json.dumps(body))
+
+
+def dead_redis() -> str:
+    return f"redis://127.0.0.1:{free_port()}/0"  # a port nothing listens on
+
+
+def dead_database() -> str:
+    return f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"
+
+
+def down(settings: Settings, dependency: str) -> Settings:
+    """The settings with one dependency pointed at nothing, or its only worker in standby."""
+    if dependency == "redis":
+        return settings.model_copy(update={"redis_url": dead_redis()})
+    if dependency == "database":
+        return settings.model_copy(update={"database_url": dead_database()})
+    advertise(settings, "standby")
+    return settings
+
+
+@pytest.mark.parametrize(("dependency", "failing"), [
+    ("redis", {"redis", "workers"}),  # no Redis: no heartbeat to read either
+    ("database", {"database"}),
+    ("workers", {"workers"}),
+])
+def test_readyz_is_503_naming_the_dependency_down_and_healthz_stays_up(
+        settings: Settings, dependency: str, failing: set[str]) -> None:
+    advertise(settings, "active")
+    with TestClient(create_app(settings)) as http:  # the control: everything up
+        ready = http.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        assert ready.json()["checks"]["workers"]["active"] == [WORKER]
+    with TestClient(create_app(down(settings, dependency))) as http:
+        resp = http.get("/readyz")
+        assert resp.status_code == 503, resp.text
+        body = resp.json()
+        assert body["ready"] is False
+        assert {name for name, check in body["checks"].items() if not check["ok"]} == failing
+        health = http.get("/healthz")
+        assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_a_submit_the_broker_refuses_is_503_and_leaves_no_row(settings: Settings) -> None:
+    """Redis answers (the fleet, the backlogs, the limits) but the publish fails: the job
+    row written before it is taken back and the caller told to retry."""
+    store = Store(settings.db_url)
+    _, key = store.create_tenant("deps-broker", ["chat"])
+    advertise(settings, "active")
+    jobs = store.count_jobs()
+    with TestClient(create_app(settings)) as http:
+        http.app.state.deps.celery = make_app(  # type: ignore[attr-defined]
+            settings.model_copy(update={"redis_url": dead_redis()}))
+        resp = http.post("/v1/jobs", json=OK, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 503, resp.text
+    assert int(resp.headers["Retry-After"]) > 0
+    assert resp.json()["error"]["type"] == "unavailable"
+    assert "queue is unavailable" in resp.json()["error"]["message"]
+    assert store.count_jobs() == jobs
+    client = redis.Redis.from_url(settings.redis_url)
+    assert queue_lengths(client, ["chat.vllm"]) == {"chat.vllm": 0}
+
+
+@pytest.mark.parametrize("dependency", ["redis", "database"])
+def test_a_submit_with_a_dependency_down_is_503_not_500(settings: Settings,
+                                                        dependency: str) -> None:
+    store = Store(settings.db_url)
+    _, key = store.create_tenant(f"deps-no-{dependency}", ["chat"])
+    advertise(settings, "active")
+    jobs = store.count_jobs()
+    app = create_app(down(settings, dependency))
+    with TestClient(app, raise_server_exceptions=False) as http:
+        resp = http.post("/v1/jobs", json=OK, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 503, resp.text
+    assert "Retry-After" in resp.headers
+    assert resp.json()["error"]["type"] == "unavailable"
+    assert store.count_jobs() == jobs
