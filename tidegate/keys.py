@@ -51,7 +51,7 @@ PRIORITY_STEPS = tuple(range(10))  # kombu's sub-lists: name all ten, the defaul
 PRIORITY_SEP = "|"
 
 
-LEASE_MIN_TTL_S = 5  # short heartbeat periods (tests) still leave a stalled beat slack
+LEASE_MIN_TTL_S = 10  # a worker starved of CPU for seconds (2 cores) keeps its leases
 
 
 def heartbeat_ttl_s(heartbeat_s: float) -> int:

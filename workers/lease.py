@@ -5,8 +5,9 @@ and a random part, so two deliveries on one worker are two attempts). The worker
 heartbeat renews the leases it holds; a worker that dies stops renewing, its leases expire
 after `keys.lease_ttl_s`, and the recovery sweep (tasks/recovery.py) hands its messages
 back to their queues. Every event an attempt appends is written by a script that first
-checks the lease is still its own, so an attempt that stalled past its lease and was
-replaced can never add a token to the job's stream: it gets LeaseLost and stops.
+checks the lease is still its own (or takes back one that lapsed with no other holder),
+so an attempt that stalled past its lease and was replaced can never add a token to the
+job's stream: it gets LeaseLost and stops.
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+# Extends the lease if it is this attempt's, or takes it back if it lapsed and no other
+# attempt took it: a worker that stalled past its lease (seconds, on a starved host) goes
+# on; only a real takeover stops it.
 RENEW = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('EXPIRE', KEYS[1], ARGV[2])
-end
-return 0
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+return 1
 """
 WAIT_POLL_S = 0.5  # a duplicate delivery checks the other attempt's lease this often
 
@@ -54,11 +58,8 @@ class Lease:
             time.sleep(WAIT_POLL_S)
         return True
 
-    def held(self) -> bool:
-        value: Any = self.r.get(self.key)
-        return value is not None and value.decode() == self.owner
-
     def renew(self) -> bool:
+        """True while this attempt holds the lease (extended, or taken back if free)."""
         return bool(self._renew(keys=[self.key], args=[self.owner, self.ttl_s]))
 
     def release(self) -> None:

@@ -14,10 +14,13 @@ from tidegate import keys
 from tidegate.events import Event
 from workers.lease import Lease, LeaseLost
 
-# KEYS: lease, stream. ARGV: owner, entry id, event JSON, kind, maxlen, channel, TTL (0:
-# none). The entry id is the event's seq, so Redis refuses a second append of one seq.
+# KEYS: lease, stream. ARGV: owner, entry id, event JSON, kind, maxlen, channel, stream
+# TTL (0: none), lease TTL. A lapsed lease nobody else took is taken back (workers/lease.py).
+# The entry id is the event's seq, so Redis refuses a second append of one seq.
 APPEND = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local holder = redis.call('GET', KEYS[1])
+if holder and holder ~= ARGV[1] then return 0 end
+if not holder then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[8]) end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], ARGV[2], 'e', ARGV[3], 'k', ARGV[4])
 redis.call('PUBLISH', ARGV[6], ARGV[3])
 if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[2], ARGV[7]) end
@@ -48,7 +51,8 @@ class EventPublisher:
         LeaseLost when `lease` is no longer the attempt's."""
         fields = event.stream_fields()
         args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
-                keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0]
+                keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0,
+                lease.ttl_s]
         try:
             appended = self._append(keys=[lease.key, keys.job_events(self.ns, event.job_id)],
                                     args=args)

@@ -234,7 +234,10 @@ def _emit(ctx: WorkerContext, job_id: str, progress: _Progress, kind: Any, *, te
 
 def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
               finish_reason: str) -> str:
-    _finish(ctx, payload.job_id, progress, JobStatus.DONE, finish_reason=finish_reason)
+    if not _finish(ctx, payload.job_id, progress, JobStatus.DONE, finish_reason=finish_reason):
+        # A DELETE landed between the last cancel check and here: the API answered
+        # "cancelled", and the store, where the row is already cancelled, is the truth.
+        return _end_cancelled(ctx, payload, progress)
     job = ctx.store.get_job(payload.job_id)
     data = {
         "finish_reason": finish_reason,
@@ -274,14 +277,15 @@ def _fail(ctx: WorkerContext, job_id: str, code: str, message: str,
 
 
 def _finish(ctx: WorkerContext, job_id: str, progress: _Progress, status: JobStatus,
-            **values: Any) -> None:
+            **values: Any) -> bool:
     """The job's terminal row, written only while this attempt holds the lease: an attempt
-    that was replaced must not end a job that another attempt runs."""
-    if not progress.lease.held():
+    that was replaced must not end a job that another attempt runs. False when the row
+    was already cancelled or expired (it keeps that status and gets the usage)."""
+    if not progress.lease.renew():
         raise LeaseLost(job_id)
-    ctx.store.finish_job(job_id, status, output_text=progress.text,
-                         completion_tokens=len(progress.token_ids),
-                         finished_at=datetime.now(UTC), **values)
+    return ctx.store.finish_job(job_id, status, output_text=progress.text,
+                                completion_tokens=len(progress.token_ids),
+                                finished_at=datetime.now(UTC), **values)
 
 
 def _summarise(ctx: WorkerContext, payload: GeneratePayload, status: str, job: Any) -> None:
