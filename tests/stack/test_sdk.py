@@ -78,14 +78,20 @@ def _port(stack: Stack) -> int:
     return int(stack.base_url.rsplit(":", 1)[1])
 
 
-def test_sync_stream_resumes_after_dropped_connections(stack: Stack, finished_job) -> None:  # type: ignore[no-untyped-def]
-    job_id, expected = finished_job
+def read_through_dropping_proxy(stack: Stack, job_id: str) -> tuple[DroppingProxy, list]:
+    """The job's events as the sync SDK reads them through a proxy that cuts the
+    connection three times, 900 bytes in."""
     proxy = DroppingProxy(_port(stack), cut_bytes=900, drops=3)
     try:
         with Client(f"http://127.0.0.1:{proxy.port}", stack.api_key) as client:
-            got = list(client.stream(job_id))
+            return proxy, list(client.stream(job_id))
     finally:
         proxy.close()
+
+
+def test_sync_stream_resumes_after_dropped_connections(stack: Stack, finished_job) -> None:  # type: ignore[no-untyped-def]
+    job_id, expected = finished_job
+    proxy, got = read_through_dropping_proxy(stack, job_id)
     assert proxy.connections >= 4  # three cut connections, then one that finished
     assert got == expected
 
@@ -161,12 +167,7 @@ def finished_at(stack: Stack, job_id: str) -> float:
 
 def test_sync_stream_resumes_while_the_job_is_generating(stack: Stack) -> None:
     job_id = submit_live(stack)
-    proxy = DroppingProxy(_port(stack), cut_bytes=900, drops=3)
-    try:
-        with Client(f"http://127.0.0.1:{proxy.port}", stack.api_key) as client:
-            got = list(client.stream(job_id))
-    finally:
-        proxy.close()
+    proxy, got = read_through_dropping_proxy(stack, job_id)
     assert len(proxy.cut_at) == 3
     # The first cut came mid-generation (the later ones may find the job done: the client
     # waits a little before it reconnects).
