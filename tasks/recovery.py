@@ -24,20 +24,24 @@ from celery import Celery
 log = logging.getLogger("tidegate.recovery")
 
 
-def restore_orphans(app: Celery, has_attempt: Callable[[str], bool], grace_s: float) -> list[str]:
-    """Restores every unacked message older than `grace_s` whose task (a job id) has no
-    live attempt; returns those job ids."""
+def restore_orphans(app: Celery, live_attempts: Callable[[list[str]], set[str]],
+                    grace_s: float) -> list[str]:
+    """Restores every unacked message older than `grace_s` whose task (a job id) is not
+    among `live_attempts(job ids)`; returns those job ids. It runs every heartbeat period
+    over every long-running job: one round trip reads all the messages, one the leases."""
     restored = []
     with app.pool.acquire(block=True) as conn:  # the app's pooled broker connections
         channel: Any = conn.default_channel
         qos, client = channel.qos, channel.client
-        for tag in client.zrangebyscore(qos.unacked_index_key, 0, time.time() - grace_s):
-            raw = client.hget(qos.unacked_key, tag)
-            job_id = task_id(raw) if raw else None
-            if job_id is None or has_attempt(job_id):
-                continue
-            qos.restore_by_tag(tag, client=client)
-            restored.append(job_id)
+        tags = client.zrangebyscore(qos.unacked_index_key, 0, time.time() - grace_s)
+        raws = client.hmget(qos.unacked_key, tags) if tags else []
+        jobs = {tag: job_id for tag, raw in zip(tags, raws, strict=True)
+                if raw and (job_id := task_id(raw)) is not None}
+        live = live_attempts(list(jobs.values())) if jobs else set()
+        for tag, job_id in jobs.items():
+            if job_id not in live:
+                qos.restore_by_tag(tag, client=client)
+                restored.append(job_id)
     if restored:
         log.warning("restored %d message(s) of a dead worker: %s", len(restored),
                     ", ".join(restored))

@@ -190,10 +190,16 @@ class Heartbeats(threading.Thread):
     def recover(self) -> None:
         """A message whose job has no lease for longer than a lease lives has lost its
         worker (workers/lease.py, tasks/recovery.py)."""
-        w, ns = self.worker, self.worker.settings.namespace
+        w = self.worker
         grace_s = keys.lease_ttl_s(w.settings.heartbeat_s)
-        restore_orphans(w.celery_worker.app,
-                        lambda job_id: bool(w.redis.exists(keys.job_lease(ns, job_id))), grace_s)
+        restore_orphans(w.celery_worker.app, self.leased, grace_s)
+
+    def leased(self, job_ids: list[str]) -> set[str]:
+        """The jobs that an attempt holds now (their lease exists), in one round trip."""
+        ns, pipe = self.worker.settings.namespace, self.worker.redis.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.exists(keys.job_lease(ns, job_id))
+        return {job_id for job_id, n in zip(job_ids, pipe.execute(), strict=True) if n}
 
 
 class CancelListener(threading.Thread):
