@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # sed (not grep) so the pipeline's status stays pip's own under pipefail.
 QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: venv model demo test test-unit lint bench clean
+.PHONY: venv model demo test test-faults test-unit lint bench clean
 
 venv: $(STAMP)
 
@@ -34,7 +34,11 @@ demo: venv
 # Both floors: tests/unit (no process, no socket) and tests/stack (real Redis, Celery
 # workers hosting vLLM on CPU, SQLite and PostgreSQL).
 test: venv model
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not faults"
+
+# Fault drills that start a vLLM worker of their own (tests/stack/test_worker_faults.py).
+test-faults: venv model
+	$(PY) -m pytest -q -m faults
 
 test-unit: venv model
 	$(PY) -m pytest -q tests/unit
@@ -50,6 +54,7 @@ bench: venv model
 	$(PY) bench/coldstart.py
 	$(PY) bench/peak.py
 	$(PY) bench/kv.py
+	$(PY) bench/frontdoor.py
 
 clean:
 	rm -rf $(VENV) data

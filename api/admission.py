@@ -6,6 +6,11 @@ Under a burst those milliseconds queue, and on a plain thread pool a finance job
 behind every chat job that arrived before it. Here the pending calls wait in a priority
 queue, so a more urgent lane's starts next, and only a few threads run at once, so the
 queue, not the GIL, decides the order.
+
+Both waits are bounded. The queue holds at most `max_waiting` calls; one more is refused
+at once with a 503 (`overloaded`, Retry-After), not parked behind a backlog it would
+outwait. SSE streams, which hold a Redis connection each for as long as they are open, are
+counted here too (StreamSlots): in all and per tenant, each over its cap a 429.
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from api.errors import over_limit, unavailable
+
 T = TypeVar("T")
 STOP = (float("inf"),)  # sorts after every real rank
 
 
 class Admission:
-    """`threads` threads running blocking calls by rank (lower first), then arrival."""
+    """`threads` threads running blocking calls by rank (lower first), then arrival; at
+    most `max_waiting` calls wait."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, max_waiting: int = 1000) -> None:
+        self.max_waiting = max_waiting
         self._pending: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
         self._arrival = itertools.count()
         self._threads = [threading.Thread(target=self._serve, name=f"api-admission-{i}",
@@ -34,6 +43,9 @@ class Admission:
             thread.start()
 
     async def run(self, rank: tuple[float, ...], fn: Callable[..., T], *args: Any) -> T:
+        if self._pending.qsize() >= self.max_waiting:
+            raise unavailable(f"the API is overloaded: {self.max_waiting} requests wait to be "
+                              "admitted; retry in 1 s", retry_after_s=1, kind="overloaded")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         self._pending.put((rank, next(self._arrival), fn, args, loop, done))
@@ -61,6 +73,51 @@ class Admission:
                 loop.call_soon_threadsafe(_settle, done, None, exc)
             else:
                 loop.call_soon_threadsafe(_settle, done, result, None)
+
+
+class StreamSlots:
+    """The SSE streams open in this process, at most `total` in all and `per_tenant` per
+    tenant. Taken and released on the event loop only, so no lock."""
+
+    RETRY_AFTER_S = 5
+
+    def __init__(self, total: int, per_tenant: int) -> None:
+        self.total, self.per_tenant = total, per_tenant
+        self._open: dict[int, int] = {}  # tenant id -> streams open
+        self._total = 0
+
+    def open(self) -> int:
+        return self._total
+
+    def take(self, tenant_id: int) -> Callable[[], None]:
+        """A slot for one of the tenant's streams, as the function that gives it back
+        (once, however often it is called); 429 `too_many_streams` when none is free."""
+        if self.open() >= self.total:
+            raise self._full(f"this API process has {self.total} streams open, its limit")
+        mine = self._open.get(tenant_id, 0)
+        if mine >= self.per_tenant:
+            raise self._full(f"this API key has {mine} streams open here, at most "
+                             f"{self.per_tenant}")
+        self._open[tenant_id] = mine + 1
+        self._total += 1
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self._total -= 1
+                left = self._open[tenant_id] - 1
+                if left:
+                    self._open[tenant_id] = left
+                else:
+                    del self._open[tenant_id]
+
+        return give_back
+
+    def _full(self, why: str) -> Exception:
+        return over_limit("too_many_streams", f"too many event streams: {why}; close one or "
+                          f"retry in {self.RETRY_AFTER_S} s", self.RETRY_AFTER_S)
 
 
 class RecentLanes:

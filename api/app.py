@@ -1,7 +1,12 @@
 """FastAPI application: jobs, SSE token streams, health and metrics.
 
 HTTP only: routes, bodies, headers and streams. What a submit checks and does is
-api/submit.py, which knows nothing of HTTP."""
+api/submit.py, which knows nothing of HTTP.
+
+Every header the API reads is checked before a handler runs (400 naming it), and every
+wait is bounded: the admission queue, the SSE streams open (per process and per tenant),
+the Redis connections they hold, and each stream's life (`_sse`).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -19,14 +25,16 @@ from typing import Any
 import redis as syncredis
 import redis.asyncio as aioredis
 from celery import Celery
-from fastapi import FastAPI, Header, Request, Response
+from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from starlette.types import Receive, Scope, Send
 
-from api.admission import Admission, RecentLanes
+from api import openapi
+from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import authenticate, bearer_key, tenant_for_key
-from api.errors import ApiError, bad_request, not_found, unavailable
+from api.errors import ApiError, malformed, not_found, unavailable
 from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest, parse_job_request
@@ -34,7 +42,7 @@ from api.submit import submit as submit_job
 from scheduler.router import WorkerView
 from store import Store
 from tasks.app import make_app
-from tidegate import keys
+from tidegate import keys, redisconn
 from tidegate.events import TERMINAL, Event
 from tidegate.fleet import read_fleet
 from tidegate.records import Heartbeat, JobStatus, WorkerState
@@ -42,14 +50,23 @@ from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.api")
 
-SSE_BLOCK_MS = 15_000
 API_THREADS = 12
 # Submits run on a few threads of their own, most urgent lane first (api/admission.py):
 # enough to overlap their store and broker round trips, few enough that the queue orders.
 SUBMIT_THREADS = 4
 UNKNOWN_LANE_RANK = 100.0
 RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
-FLEET_CACHE_S = 0.25  # an SSE comment is sent this often while a job is quiet
+FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
+# Redis connections beyond one per SSE stream: the metrics follower, readiness, cancels.
+REDIS_SPARE_CONNECTIONS = 8
+REDIS_POOL_WAIT_S = 5.0  # a command waits this long for a free connection, then 503s
+# Headers: the idempotency key fits the store's column; an API key is 46 characters.
+VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+MAX_IDEMPOTENCY_KEY = 255
+MAX_AUTHORIZATION = 1024
+JOB_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")  # uuid4 strings; anything else is no job
+MAX_EVENT_ID = 2**63 - 1  # a stream id's first part is 64 bits; seq + 1 must fit
 
 
 class Deps:
@@ -58,14 +75,19 @@ class Deps:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.store = Store(settings.db_url)
-        # Reads block up to SSE_BLOCK_MS: the socket timeout must be longer.
-        self.redis: Any = aioredis.Redis.from_url(settings.redis_url,
-                                             socket_timeout=SSE_BLOCK_MS / 1000 + 10)
-        self.sync_redis = syncredis.Redis.from_url(settings.redis_url)  # handler threads
+        # Each SSE stream holds a connection while its read blocks (up to a keep-alive
+        # period: the socket timeout is longer). The pool is bounded, so streams can never
+        # take the connections Redis has for the workers; the stream cap keeps it unspent.
+        self.redis: Any = redisconn.async_client(
+            settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
+            pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10)
+        self.sync_redis = redisconn.sync_client(settings.redis_url)  # handler threads
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)
         self.metrics = ApiMetrics()
-        self.admission = Admission(SUBMIT_THREADS)
+        self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
+        self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
+        self.metrics.sse_streams.set_function(self.streams.open)
         self.recent_lanes = RecentLanes(RECENT_JOBS)
         self.metrics.registry.register(FleetCollector(
             lambda: read_fleet(self.sync_redis, settings.namespace)))
@@ -106,6 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)
     _routes(app, deps)
+    openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
     return app
 
 
@@ -113,7 +136,10 @@ async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     """An ApiError as its JSON body, naming the field at fault, with its headers; counted
     by field (`none` when no field is at fault: a 404, a 503) for ops' refusal alerts."""
     assert isinstance(exc, ApiError)
-    request.app.state.deps.metrics.rejected.labels(exc.field or "none").inc()
+    metrics = request.app.state.deps.metrics
+    metrics.rejected.labels(exc.field or "none").inc()
+    if exc.status in (429, 503):
+        metrics.shed.labels(exc.kind).inc()
     body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
@@ -128,38 +154,45 @@ async def handle_unreachable(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _routes(app: FastAPI, deps: Deps) -> None:
-    @app.post("/v1/jobs", status_code=202)
+    checked = [Depends(_check_headers)]  # every /v1 route: its headers, before it runs
+
+    @app.post("/v1/jobs", status_code=202, dependencies=checked)
     async def submit(request: Request, idempotency_key: str | None = Header(None)) -> JSONResponse:
         key = bearer_key(request)
         req = await _job_request(request, deps)
+        await deps.prompts.loaded()  # a restarted API: here, not in an admission thread
         rank = _lane_rank(deps, req.lane, req.priority)
         accepted = await deps.admission.run(rank, _admit, deps, key, req, idempotency_key)
         return JSONResponse(accepted.model_dump(), status_code=202 if accepted.created else 200)
 
-    @app.get("/v1/jobs/{job_id}")
+    @app.get("/v1/jobs/{job_id}", dependencies=checked)
     async def get_job(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
+        _check_job_id(job_id)
         job = await asyncio.to_thread(deps.store.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
         return JSONResponse(_job_json(job))
 
-    @app.delete("/v1/jobs/{job_id}")
+    @app.delete("/v1/jobs/{job_id}", dependencies=checked)
     async def cancel(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
+        _check_job_id(job_id)
         job = await asyncio.to_thread(_cancel, deps, job_id, tenant.id)
         return JSONResponse(_job_json(job))
 
-    @app.get("/v1/jobs/{job_id}/events")
+    @app.get("/v1/jobs/{job_id}/events", dependencies=checked)
     async def events(job_id: str, request: Request,
                      last_event_id: str | None = Header(None)) -> StreamingResponse:
         key = bearer_key(request)
+        after = _resume_after(last_event_id, request.query_params.get("last_event_id"))
+        _check_job_id(job_id)
         rank = _lane_rank(deps, deps.recent_lanes.get(job_id))  # a stream opened after its submit
-        if await deps.admission.run(rank, _owned_job, deps, key, job_id) is None:
+        job = await deps.admission.run(rank, _owned_job, deps, key, job_id)
+        if job is None:
             raise not_found("job")
-        after = _parse_last_event_id(last_event_id or request.query_params.get("last_event_id"))
-        return StreamingResponse(_sse(deps, job_id, after), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        give_back = deps.streams.take(job.tenant_id)  # 429 when the caps are reached
+        return EventStream(_sse(deps, job, after), give_back)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -189,7 +222,7 @@ async def _job_request(request: Request, deps: Deps) -> JobRequest:
 async def _json_body(request: Request, deps: Deps) -> Any:
     limit = deps.settings.max_body_bytes
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
     raw = bytearray()
     async for chunk in request.stream():
@@ -200,6 +233,30 @@ async def _json_body(request: Request, deps: Deps) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "body", f"body: not valid JSON ({exc})") from None
+    except RecursionError:  # arrays nested thousands deep
+        raise ApiError(400, "body", "body: nested too deeply") from None
+
+
+async def _check_headers(request: Request) -> None:
+    """The headers any route reads, checked before it runs: a value of the wrong shape is
+    a 400 naming the header, never a 500 from the store or Redis further on.
+    Last-Event-ID, read by one route, is checked there (`_resume_after`)."""
+    key = request.headers.get("idempotency-key")
+    if key is not None and not (len(key) <= MAX_IDEMPOTENCY_KEY and VISIBLE_ASCII.fullmatch(key)):
+        raise malformed("idempotency-key", f"idempotency-key: 1 to {MAX_IDEMPOTENCY_KEY} "
+                        "visible ASCII characters")
+    auth = request.headers.get("authorization")
+    if auth is not None and not (len(auth) <= MAX_AUTHORIZATION
+                                 and PRINTABLE_ASCII.fullmatch(auth)):
+        raise malformed("authorization", "authorization: expected `Bearer <API key>` in "
+                        f"at most {MAX_AUTHORIZATION} printable ASCII characters")
+
+
+def _check_job_id(job_id: str) -> None:
+    """A path id that no job can have is a 404 without a store lookup (a NUL in it is an
+    error on PostgreSQL, not a miss)."""
+    if not JOB_ID.fullmatch(job_id):
+        raise not_found("job")
 
 
 def _lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) -> tuple[float, ...]:
@@ -226,53 +283,177 @@ def _owned_job(deps: Deps, key: str, job_id: str) -> Any:
 
 
 def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
+    """Cancel the job, however often asked: a job that had already ended (by an earlier
+    DELETE too) comes back as it is, 200; the effects that are safe to repeat are."""
     job = deps.store.cancel_job(job_id, tenant_id)
     if job is None:
         raise not_found("job")
     if job.status != JobStatus.CANCELLED:
-        return job  # already finished: nothing to cancel
+        return job  # it had ended otherwise: nothing to cancel
     client = deps.sync_redis
     ns = deps.settings.namespace
     client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
     client.publish(keys.cancel_channel(ns), job_id)
     if job.started_at is None:  # no worker will ever run it: end its stream here
-        done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
-        client.xadd(keys.job_events(ns, job_id), done.stream_fields(),  # type: ignore[arg-type]
-                    id=keys.stream_id(0))
-        client.expire(keys.job_events(ns, job_id), deps.settings.stream_ttl_s)
+        _end_unstarted(deps, job_id)
     return job
 
 
-def _parse_last_event_id(raw: str | None) -> int:
-    if raw is None or raw == "":
+def _end_unstarted(deps: Deps, job_id: str) -> None:
+    """The end event of a job cancelled before any worker took it, at seq 0, written on
+    every DELETE: Redis refuses a second entry with that id, which makes a repeated DELETE
+    harmless (as in workers/publisher.py) and lets one repair a first whose write failed."""
+    key = keys.job_events(deps.settings.namespace, job_id)
+    done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
+    pipe = deps.sync_redis.pipeline(transaction=True)
+    pipe.xadd(key, done.stream_fields(), id=keys.stream_id(0))  # type: ignore[arg-type]
+    pipe.expire(key, deps.settings.stream_ttl_s)
+    added, _ = pipe.execute(raise_on_error=False)
+    if isinstance(added, syncredis.ResponseError) and "equal or smaller" not in str(added):
+        raise added
+
+
+EVENT_ID = re.compile(r"-?[0-9]{1,20}")
+
+
+def _resume_after(header: str | None, query: str | None) -> int:
+    """The seq a stream resumes after: the Last-Event-ID header, else the `last_event_id`
+    query parameter; -1 (from the start) without either. Checked before the answer
+    starts: an id Redis cannot read would break the stream after its 200."""
+    field, raw = ("last-event-id", header) if header else ("last_event_id", query)
+    if not raw:
         return -1
-    try:
-        value = int(raw)
-    except ValueError:
-        raise bad_request("last-event-id", "last-event-id: must be an event's integer id") from None
-    if value < -1:
-        raise bad_request("last-event-id", "last-event-id: must be -1 or more")
+    value = int(raw) if EVENT_ID.fullmatch(raw) else None
+    if value is None or not -1 <= value <= MAX_EVENT_ID:
+        raise malformed(field, f"{field}: an event's id, an integer from -1 to {MAX_EVENT_ID}")
     return value
 
 
-async def _sse(deps: Deps, job_id: str, after: int) -> AsyncIterator[bytes]:
-    """Events after seq `after`, read from the job's stream: resumable, never repeated."""
-    key = keys.job_events(deps.settings.namespace, job_id)
-    last_id = keys.stream_id(after) if after >= 0 else "0-0"
-    while True:
-        reply: Any = await deps.redis.xread({key: last_id}, block=SSE_BLOCK_MS, count=256)
+class EventStream(StreamingResponse):
+    """An SSE answer holding its stream slot (api/admission.py StreamSlots) until it is
+    done, however it ends: the events ran out, the client went away, an error."""
+
+    def __init__(self, body: AsyncIterator[bytes], give_back: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.give_back = give_back
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.give_back()
+
+
+async def _sse(deps: Deps, job: Any, after: int) -> AsyncIterator[bytes]:
+    """Events after seq `after`, from the job's stream: resumable, never repeated, and
+    never a wait without end.
+
+    Events go out as they come. A quiet stream sends a keep-alive each `sse_keepalive_s`
+    and looks at the stream's last entry and the job's row: one store read per quiet
+    period, none per event. While the job is not terminal in the store the stream stays
+    open, however quiet (queued; or its worker died and another attempt will resume).
+    Otherwise it ends with an `error` event of its own, with no id (the client's
+    Last-Event-ID stays its last job event) and data {"code", "message"}:
+
+        past_end     the job's stream ended at or before Last-Event-ID: nothing follows
+        stream_gone  the job ended, and `sse_end_grace_s` later its end is not in the
+                     stream (expired, lost by Redis, never written); GET /v1/jobs/{id}
+                     has the result
+        reconnect    the stream reached `sse_max_lifetime_s`: reconnect with Last-Event-ID
+        unavailable  Redis failed: reconnect with Last-Event-ID in a few seconds
+    """
+    s = deps.settings
+    reader = _EventReader(deps, job.id, after)
+    closes_at = time.monotonic() + s.sse_max_lifetime_s
+    try:
+        end = await reader.verdict(job)  # the row the handler read: no second store read
+        while end is None:
+            wait_s = min(s.sse_keepalive_s, closes_at - time.monotonic())
+            if wait_s <= 0:
+                end = ("reconnect", f"this stream reached its longest life, "
+                       f"{s.sse_max_lifetime_s:g} s: reconnect with Last-Event-ID {reader.seq}")
+                break
+            frames, ended = await reader.read(wait_s)
+            if frames:
+                yield frames
+                if ended:
+                    return
+                continue
+            end = await reader.verdict()
+            if end is None:
+                yield b": keep-alive\n\n"
+    except aioredis.RedisError as exc:
+        log.warning("SSE of job %s: Redis failed (%s)", job.id, type(exc).__name__)
+        end = ("unavailable", f"Redis is unavailable: reconnect with Last-Event-ID {reader.seq} "
+               "in a few seconds")
+    yield _error_frame(*end)
+
+
+_READ_IT = object()  # verdict(): read the job's row from the store
+
+
+class _EventReader:
+    """One SSE stream's place in a job's events, and what tells it that they ended."""
+
+    def __init__(self, deps: Deps, job_id: str, after: int) -> None:
+        self.deps, self.job_id = deps, job_id
+        self.key = keys.job_events(deps.settings.namespace, job_id)
+        self.cursor = keys.stream_id(after) if after >= 0 else "0-0"
+        self.seq = after  # the last event the client has
+        self.ended_at: float | None = None  # when the job ended, as the store first said
+
+    async def read(self, wait_s: float) -> tuple[bytes, bool]:
+        """The events after the cursor as SSE frames, waiting up to `wait_s` for one (b""
+        if none came), and whether the job's terminal event was among them."""
+        reply: Any = await self.deps.redis.xread({self.key: self.cursor},
+                                                 block=max(1, int(wait_s * 1000)), count=256)
         if not reply:
-            yield b": keep-alive\n\n"
-            continue
+            return b"", False
         entries = reply[0][1]
-        last_id = entries[-1][0]
-        frames, ended = _sse_frames(entries)
-        yield frames
-        if ended:
-            return
+        self.cursor = entries[-1][0]
+        self.seq = keys.seq_of(self.cursor)
+        return _sse_frames(entries)
+
+    async def verdict(self, job: Any = _READ_IT) -> tuple[str, str] | None:
+        """(code, message) of the error event that ends the stream now; None: wait on."""
+        last: Any = await self.deps.redis.xrevrange(self.key, count=1)
+        if last and _kind_of(last[0][1]) in TERMINAL_KINDS:
+            end_seq = keys.seq_of(last[0][0])
+            if end_seq > self.seq:
+                return None  # the end is in the stream, ahead: the next read brings it
+            return ("past_end", f"the job's events ended at id {end_seq}: none follow "
+                    f"Last-Event-ID {self.seq}")
+        if job is _READ_IT:
+            try:
+                job = await asyncio.to_thread(self.deps.store.get_job, self.job_id)
+            except SQLAlchemyError as exc:  # the store's outage must not end a stream
+                log.warning("SSE of job %s: store failed (%s)", self.job_id, type(exc).__name__)
+                return None
+        return self._job_ended(job)
+
+    def _job_ended(self, job: Any) -> tuple[str, str] | None:
+        if job is None:
+            return ("stream_gone", "the job no longer exists")
+        if not job.terminal:
+            return None
+        if self.ended_at is None:
+            self.ended_at = job.finished_at.timestamp() if job.finished_at else time.time()
+        if time.time() < self.ended_at + self.deps.settings.sse_end_grace_s:
+            return None  # its end event may be on its way (written after the row)
+        return ("stream_gone", f"the job ended ({job.status.value}) and its events are gone "
+                f"(expired, or lost by Redis): GET /v1/jobs/{job.id} has its result")
+
+
+def _error_frame(code: str, message: str) -> bytes:
+    return b"event: error\ndata: %s\n\n" % json.dumps({"code": code, "message": message}).encode()
 
 
 TERMINAL_KINDS = frozenset(kind.encode() for kind in TERMINAL)
+
+
+def _kind_of(fields: dict[bytes, bytes]) -> bytes:
+    return fields.get(b"k") or Event.from_json(fields[b"e"]).kind.encode()  # entries without it
 
 
 def _sse_frames(entries: list[Any]) -> tuple[bytes, bool]:
@@ -281,9 +462,8 @@ def _sse_frames(entries: list[Any]) -> tuple[bytes, bool]:
     only its kind is read, from the entry's own field, so a token costs no parse."""
     out = bytearray()
     for entry_id, fields in entries:
-        body = fields[b"e"]
-        kind = fields.get(b"k") or Event.from_json(body).kind.encode()  # entries without it
-        out += b"id: %d\nevent: %s\ndata: %s\n\n" % (keys.seq_of(entry_id), kind, body)
+        kind = _kind_of(fields)
+        out += b"id: %d\nevent: %s\ndata: %s\n\n" % (keys.seq_of(entry_id), kind, fields[b"e"])
         if kind in TERMINAL_KINDS:
             return bytes(out), True
     return bytes(out), False
@@ -312,6 +492,7 @@ async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
     except Exception as exc:
         checks["database"] = {"ok": False, "error": type(exc).__name__}
     checks["workers"] = await _workers_check(deps) if checks["redis"]["ok"] else {"ok": False}
+    checks["tokenizer"] = deps.prompts.readiness()
     return checks
 
 

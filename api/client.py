@@ -1,11 +1,14 @@
 """The Python SDK: a producer's `submit` and a consumer's `stream`, sync and async.
 
 `stream` resumes after a dropped connection from the last event it handed out
-(`Last-Event-ID`), so the caller never loses or repeats a token.
+(`Last-Event-ID`), so the caller never loses or repeats a token. The API ends a stream
+with an `error` event of its own (no id; api/app.py `_sse`) when it will not go on:
+`reconnect` and `unavailable` reopen it, any other code raises StreamError.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -24,6 +27,33 @@ class TidegateError(Exception):
         err = body.get("error", {}) if isinstance(body, dict) else {}
         self.status, self.field = status, err.get("field")
         super().__init__(f"{status}: {err.get('message', body)}")
+
+
+class StreamError(TidegateError):
+    """The API ended a job's event stream without the job's end: `code` says why
+    (`past_end`, `stream_gone`); GET /v1/jobs/{id} has the job as the store holds it."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(200, {"error": {"type": code, "field": None, "message": message}})
+
+
+def _failed(exc: Exception, failures: int, most: int) -> int:
+    """Failures in a row once `exc` ended a stream: 0 after the API closed it at its
+    longest life (reopen at once), one more after a transport error or a Redis outage;
+    raises `exc` when it ends the stream for good, or after `most` in a row."""
+    if isinstance(exc, StreamError):
+        if exc.code == "reconnect":
+            return 0
+        if exc.code != "unavailable":
+            raise exc
+    if failures >= most:
+        raise exc
+    return failures + 1
+
+
+def _backoff_s(failures: int) -> float:
+    return min(0.1 * 2**failures, 2.0) if failures else 0.0
 
 
 def _job_body(lane: str, messages: list[dict[str, str]] | None, prompt: str | None,
@@ -47,20 +77,29 @@ def _check(resp: httpx.Response) -> dict[str, Any]:
 
 
 class _SseParser:
-    """Turns SSE lines into events; comments and keep-alives are dropped."""
+    """Turns SSE lines into events; comments and keep-alives are dropped, and the API's
+    own `error` event (no id) raises StreamError."""
 
     def __init__(self) -> None:
         self.data: list[str] = []
+        self.kind, self.has_id = "", False
 
     def feed(self, line: str) -> Event | None:
         if line == "":
-            if not self.data:
+            data, own_error = "\n".join(self.data), self.kind == "error" and not self.has_id
+            self.data, self.kind, self.has_id = [], "", False
+            if not data:
                 return None
-            event = Event.from_json("\n".join(self.data))
-            self.data = []
-            return event
+            if own_error:
+                body = json.loads(data)
+                raise StreamError(str(body.get("code")), str(body.get("message")))
+            return Event.from_json(data)
         if line.startswith("data:"):
             self.data.append(line[5:].lstrip())
+        elif line.startswith("event:"):
+            self.kind = line[6:].strip()
+        elif line.startswith("id:"):
+            self.has_id = True
         return None
 
 
@@ -92,11 +131,9 @@ class Client:
                     yield event
                     if event.terminal:
                         return
-            except _RETRYABLE:
-                failures += 1
-                if failures > self.max_reconnects:
-                    raise
-                time.sleep(min(0.1 * 2**failures, 2.0))
+            except (*_RETRYABLE, StreamError) as exc:
+                failures = _failed(exc, failures, self.max_reconnects)
+                time.sleep(_backoff_s(failures))
 
     def _events_once(self, job_id: str, last: int) -> Iterator[Event]:
         headers = {"Last-Event-ID": str(last)} if last >= 0 else {}
@@ -149,11 +186,9 @@ class AsyncClient:
                     yield event
                     if event.terminal:
                         return
-            except _RETRYABLE:
-                failures += 1
-                if failures > self.max_reconnects:
-                    raise
-                await asyncio.sleep(min(0.1 * 2**failures, 2.0))
+            except (*_RETRYABLE, StreamError) as exc:
+                failures = _failed(exc, failures, self.max_reconnects)
+                await asyncio.sleep(_backoff_s(failures))
 
     async def _events_once(self, job_id: str, last: int) -> AsyncIterator[Event]:
         headers = {"Last-Event-ID": str(last)} if last >= 0 else {}

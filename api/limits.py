@@ -1,13 +1,28 @@
-"""Per-tenant rate limits: requests and tokens per minute, fixed one-minute windows in
-Redis, so every API replica counts against the same budget."""
+"""The bounds a submit meets before anything is written, each a 429 with Retry-After.
+
+- Rate limits per tenant: requests and tokens per minute, fixed one-minute windows in
+  Redis, so every API replica counts against the same budget.
+- Queue depth per lane: the messages waiting in the lane's pool queues (counted anyway,
+  for the router). Jobs below the lane's default priority meet a lower bound, so under a
+  flood the least urgent are shed first and the lane keeps room for its normal and
+  urgent work.
+- Jobs in flight per tenant (queued or running): counted by the store, the truth, on an
+  index of (tenant, status), so the count reads at most the cap's index entries and never
+  drifts; a Redis counter would need every path that ends a job (worker, cancel, expiry,
+  reconciler, a Redis restart) to decrement it exactly once.
+
+Both caps are read, then the job written: concurrent submits can pass a bound by the
+number of admission threads. They are load bounds, not quotas.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any
 
-from api.errors import ApiError
+from api.errors import ApiError, over_limit
 from tidegate import keys
+from tidegate.lanes import Lane
 
 if TYPE_CHECKING:  # api.auth reads the HTTP request: api/submit.py charges without FastAPI
     from api.auth import Tenant
@@ -41,3 +56,34 @@ def _limited(what: str, retry_after: int) -> ApiError:
     return ApiError(429, None, f"rate limit: this API key may send {what}; retry in "
                     f"{retry_after} s", kind="rate_limited",
                     headers={"Retry-After": str(retry_after)})
+
+
+RETRY_AFTER_FULL_S = 5  # a full lane drains, or a tenant's jobs end, in seconds at a peak
+
+
+def depth_limit(cap: int, priority: int, default_priority: int) -> int:
+    """The queue depth from which a job of `priority` is refused: the cap at the lane's
+    default priority and above; below it, linearly less, down to half the cap at 0."""
+    if priority >= default_priority:
+        return cap
+    return max(1, cap * (default_priority + priority) // (2 * default_priority))
+
+
+def check_queue_depth(lane: Lane, default_cap: int, priority: int, depth: int) -> None:
+    """Raises 429 `queue_full` when `depth` messages wait in the lane's pool queues."""
+    cap = lane.max_queue_depth or default_cap
+    limit = depth_limit(cap, priority, lane.default_priority)
+    if depth >= limit:
+        below = (f" (priority {priority}, below the lane's default, from {limit})"
+                 if limit < cap else "")
+        raise over_limit("queue_full", f"queue full: lane {lane.name!r} has {depth} jobs "
+                         f"waiting; it takes at most {cap}{below}; retry in "
+                         f"{RETRY_AFTER_FULL_S} s", RETRY_AFTER_FULL_S)
+
+
+def check_in_flight(in_flight: int, cap: int) -> None:
+    """Raises 429 `too_many_in_flight` when the tenant has `cap` jobs queued or running."""
+    if in_flight >= cap:
+        raise over_limit("too_many_in_flight", f"too many jobs in flight: this API key has "
+                         f"{in_flight} jobs queued or running, at most {cap}; retry when "
+                         f"some have ended", RETRY_AFTER_FULL_S)

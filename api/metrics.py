@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,6 +47,12 @@ class ApiMetrics:
                                 ["lane", "status"], registry=r)
         self.rejected = Counter("tidegate_requests_rejected_total", "Requests refused, by field",
                                 ["field"], registry=r)
+        self.shed = Counter("tidegate_requests_shed_total", "Requests refused for load or an "
+                            "outage (429 and 503), by the error's type: queue_full, "
+                            "too_many_in_flight, too_many_streams, overloaded, ...", ["reason"],
+                            registry=r)
+        self.sse_streams = Gauge("tidegate_sse_streams", "SSE streams open in this API process",
+                                 registry=r)
 
     def observe(self, s: dict[str, object]) -> None:
         lane = str(s.get("lane", ""))

@@ -3,18 +3,67 @@ fit the lane or the model is refused before anything is enqueued."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+from api.errors import unavailable
 from api.schemas import JobRequest
+from api.tokenizer import load_tokenizer
+
+log = logging.getLogger("tidegate.api")
+
+TOKENIZER_WAIT_S = 30.0  # a submit waits this long for the tokenizer, then hears a 503
+LOAD_POLL_S = 0.05
 
 
 class PromptRenderer:
-    def __init__(self, model_path: Path | str) -> None:
-        from transformers import AutoTokenizer
+    """The tokenizer (api/tokenizer.py) loads on a thread of its own: a large one, or one
+    that needs transformers, takes seconds, and an API restarted under load must serve its
+    event streams, which need no tokenizer, at once. Submits wait for it on the event loop
+    (`loaded`); /readyz says not ready until it is loaded."""
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model_path))
+    def __init__(self, model_path: Path | str) -> None:
+        self._loaded = threading.Event()
+        self._tokenizer: Any = None
+        self._error = ""
+        threading.Thread(target=self._load, args=(str(model_path),), name="tokenizer-load",
+                         daemon=True).start()
+
+    def _load(self, path: str) -> None:
+        try:
+            self._tokenizer = load_tokenizer(path)
+        except Exception as exc:  # any failure: told at each submit and by /readyz
+            self._error = f"the model's tokenizer failed to load from {path}: {exc}"
+            log.error("%s", self._error)
+        finally:
+            self._loaded.set()
+
+    def readiness(self) -> dict[str, Any]:
+        if not self._loaded.is_set():
+            return {"ok": False, "error": "loading"}
+        return {"ok": not self._error, **({"error": self._error} if self._error else {})}
+
+    async def loaded(self) -> None:
+        """Waits for the tokenizer without holding a thread: a submit waiting in one of the
+        admission threads would hold up the event-stream openings that share them. Raises
+        the 503 that `tokenizer` would."""
+        deadline = time.monotonic() + TOKENIZER_WAIT_S
+        while not self._loaded.is_set() and time.monotonic() < deadline:
+            await asyncio.sleep(LOAD_POLL_S)
+        self.tokenizer  # noqa: B018 - raises when not loaded
+
+    @property
+    def tokenizer(self) -> Any:
+        if not self._loaded.wait(TOKENIZER_WAIT_S):
+            raise unavailable("the API is still loading the model's tokenizer")
+        if self._error:
+            raise unavailable(self._error, retry_after_s=30)
+        return self._tokenizer
 
     def render(self, req: JobRequest) -> str:
         if req.prompt is not None:

@@ -1,13 +1,26 @@
-"""Request and response bodies of the jobs API."""
+"""Request and response bodies of the jobs API.
+
+Before a body meets its model, every string in it (values and keys, at any depth) is
+checked for what no text field may hold: NUL, which PostgreSQL's text refuses, and UTF-16
+surrogates, which JSON lets through as a lone `\\ud800` escape and which cannot be encoded
+to UTF-8 (for the tokenizer, the store, or the JSON of an answer). Either is a 400 naming
+the field; the text itself is never echoed.
+"""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from api.errors import ApiError
+from api.errors import ApiError, malformed
+
+# NUL, and any surrogate: json.loads joins a valid pair into one character, so what is
+# left in a str is a lone one.
+UNSAFE_TEXT = re.compile("[\x00\ud800-\udfff]")
+MAX_DEPTH = 16  # a job body is 4 levels deep; deeper is refused before it is walked
 
 
 class Message(BaseModel):
@@ -52,10 +65,37 @@ class JobRequest(BaseModel):
 
 
 def parse_job_request(body: object) -> JobRequest:
+    check_text(body)
     try:
         return JobRequest.model_validate(body)
     except ValidationError as exc:
         raise _field_error(exc) from None
+
+
+def check_text(value: object, path: tuple[str, ...] = ()) -> None:
+    """400 naming the first string (or key) under `value` that holds NUL or a surrogate."""
+    if len(path) > MAX_DEPTH:
+        raise malformed("body", f"body: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, str):
+        if UNSAFE_TEXT.search(value):
+            field = ".".join(path) or "body"
+            raise malformed(field, f"{field}: text may not hold NUL (\\u0000) or a lone "
+                            "surrogate (\\ud800-\\udfff)")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if UNSAFE_TEXT.search(key):
+                field = ".".join((*path, _escaped(key)))
+                raise malformed(field, f"{field}: a field name may not hold NUL or a lone "
+                                "surrogate")
+            check_text(item, (*path, key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_text(item, (*path, str(i)))
+
+
+def _escaped(text: str) -> str:
+    """`text` as printable ASCII (for naming a field whose name is not)."""
+    return text.encode("unicode_escape").decode("ascii")
 
 
 def _field_error(exc: ValidationError) -> ApiError:

@@ -7,9 +7,12 @@ Checks come before effects, so a refused request changed nothing:
              and counted, the session's owner: reads only (4xx)
     replay   a known idempotency key answers with its job: not charged, not routed,
              nothing published (200)
+    bound    the lane's queue depth and the tenant's jobs in flight (429, api/limits.py)
     route    the pure router picks a queue from the fleet and the backlogs (503 or 4xx)
     charge   the tenant's rate limits (429)
-    persist  the job row and the session's turn, in one transaction
+    persist  the job row, with its task's payload, and the session's turn, in one
+             transaction: the job is durable from here (a message Redis loses is sent
+             again from the row: scheduler/reconcile.py)
     publish  the task to the broker; the one step taken back when it fails (503)
 """
 
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Celery
@@ -32,7 +35,7 @@ from scheduler import router
 from store import JobRecord, SessionOwnerError, SessionRecord, Store
 from tasks.app import queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tidegate import keys
+from tidegate import hot, keys
 from tidegate.lanes import Lane, pool_queue, redis_priority
 from tidegate.settings import Settings
 
@@ -76,11 +79,14 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
     known = replay(deps, checked)
     if known is not None:
         return _accepted(known, created=False)
-    decision = route(deps, checked)
+    backlog = lane_backlog(deps, checked.lane)
+    bound(deps, checked, backlog)
+    decision = route(deps, checked, backlog)
     charge(deps, checked)
-    job, created, turn = persist(deps, checked, decision)
+    system = _system_prefix(deps, checked.req)
+    job, created, payload = persist(deps, checked, decision, system)
     if created:  # else a concurrent request with the same key made the job first
-        publish(deps, checked, job, turn)
+        publish(deps, checked, job, payload, system)
     return _accepted(job, created)
 
 
@@ -154,9 +160,22 @@ def replay(deps: SubmitDeps, checked: Checked) -> JobRecord | None:
     return deps.store.job_by_idempotency_key(checked.tenant.id, checked.idempotency_key)
 
 
-def route(deps: SubmitDeps, checked: Checked) -> router.Route:
+def lane_backlog(deps: SubmitDeps, lane: Lane) -> dict[str, int]:
+    """Messages waiting in each of the lane's pool queues."""
+    return queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
+
+
+def bound(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> None:
+    """The load bounds (api/limits.py): the lane's depth, then the tenant's jobs in flight
+    (one indexed count in the store)."""
+    limits.check_queue_depth(checked.lane, deps.settings.max_queue_depth, checked.priority,
+                             sum(backlog.values()))
+    limits.check_in_flight(deps.store.count_in_flight(checked.tenant.id),
+                           deps.settings.max_in_flight_per_tenant)
+
+
+def route(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> router.Route:
     lane, req = checked.lane, checked.req
-    backlog = queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
     affinity = checked.session if deps.settings.session_affinity else None
     try:
         return router.route(lane, deps.fleet(), backlog,
@@ -177,35 +196,43 @@ def charge(deps: SubmitDeps, checked: Checked) -> None:
 # -- persist, publish: the effects ---------------------------------------------------
 
 
-def persist(deps: SubmitDeps, checked: Checked,
-            decision: router.Route) -> tuple[JobRecord, bool, int]:
-    """The job row and its session's turn, in one transaction: (job, created, turn)."""
+def persist(deps: SubmitDeps, checked: Checked, decision: router.Route,
+            system: str) -> tuple[JobRecord, bool, GeneratePayload]:
+    """The job row with its task's payload, and its session's turn, in one transaction:
+    (job, created, the payload with that turn). The payload's deadline starts here, at
+    accept (the deadline rule: scheduler/reconcile.py)."""
     req = checked.req
+    payload = _payload(deps, checked, str(uuid.uuid4()), system)
     try:
-        return deps.store.create_job(
-            str(uuid.uuid4()), checked.tenant.id, req.lane, decision.queue, checked.priority,
+        job, created, turn = deps.store.create_job(
+            payload.job_id, checked.tenant.id, req.lane, decision.queue, checked.priority,
             req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
             idempotency_key=checked.idempotency_key, lora=req.lora,
-            route_reason=decision.reason)
+            route_reason=decision.reason, payload=payload.to_dict())
     except SessionOwnerError:
         # Another tenant took the session id after check() read it. The transaction
         # rolled back with it: there is no row to take back.
         raise _session_forbidden() from None
+    return job, created, replace(payload, turn=turn)
 
 
-def publish(deps: SubmitDeps, checked: Checked, job: JobRecord, turn: int) -> None:
-    """Send the job's task, then count it (metrics, the lane's traffic sample)."""
+def _payload(deps: SubmitDeps, checked: Checked, job_id: str, system: str) -> GeneratePayload:
     req = checked.req
-    system = _system_prefix(deps, req)
-    payload = GeneratePayload(
-        job_id=job.id, lane=req.lane, prompt=checked.prompt,
+    return GeneratePayload(
+        job_id=job_id, lane=req.lane, prompt=checked.prompt,
         prompt_tokens=checked.prompt_tokens, sampling=_sampling(req),
-        session_id=req.session_id, turn=turn,
+        session_id=req.session_id,
         deadline_at=time.time() + (req.deadline_s or checked.lane.deadline_s), lora=req.lora,
-        shared_prefix_tokens=deps.prompts.count_prefix(system))
+        shared_prefix_tokens=deps.prompts.count_prefix(system),
+        cache_salt=checked.lane.cache_salt(checked.tenant.id))
+
+
+def publish(deps: SubmitDeps, checked: Checked, job: JobRecord, payload: GeneratePayload,
+            system: str) -> None:
+    """Send the job's task, then count it (metrics, the lane's traffic sample)."""
     _send(deps, job, payload)
-    deps.metrics.jobs.labels(req.lane).inc()
-    _sample_traffic(deps, req, system)
+    deps.metrics.jobs.labels(checked.req.lane).inc()
+    _sample_traffic(deps, checked.lane, system)
 
 
 def _send(deps: SubmitDeps, job: JobRecord, payload: GeneratePayload) -> None:
@@ -215,25 +242,24 @@ def _send(deps: SubmitDeps, job: JobRecord, payload: GeneratePayload) -> None:
         # The one step taken back. The store is written before the broker so that a job
         # the broker holds always has its row, and an accepted job is durable; when the
         # send fails, the row is deleted and the caller told to retry. A process dying
-        # between the two leaves a queued row with no message: a later issue adds a
-        # reconciler for those.
+        # between the two leaves a queued row with no message: the reconciler sends it
+        # from the row's payload (scheduler/reconcile.py).
         log.error("enqueue of job %s failed: %s", job.id, type(exc).__name__)
         deps.store.delete_job(job.id)
         raise unavailable("the job queue is unavailable; retry later") from None
 
 
-def _sample_traffic(deps: SubmitDeps, req: JobRequest, system: str) -> None:
+def _sample_traffic(deps: SubmitDeps, lane: Lane, system: str) -> None:
     """Arrivals per lane per minute (the scheduler moves them into the store for its
-    forecast), and the lane's system prompts by use (warmed into activated workers)."""
+    forecast), and on a lane that shares its prefix cache, the system prompts by use
+    (warmed into activated workers; tidegate/hot.py)."""
     ns = deps.settings.namespace
     pipe = deps.sync_redis.pipeline(transaction=False)
-    key = keys.arrivals(ns, req.lane, int(time.time() // 60))
+    key = keys.arrivals(ns, lane.name, int(time.time() // 60))
     pipe.incr(key)
     pipe.expire(key, keys.ARRIVALS_TTL_S)
-    if system:
-        hot = keys.hot_prefixes(ns, req.lane)
-        pipe.zincrby(hot, 1, system)
-        pipe.zremrangebyrank(hot, 0, -(keys.HOT_PREFIXES_KEPT + 1))
+    if system and lane.share_prefix_cache:
+        hot.record(pipe, ns, lane.name, system, deps.settings.hot_prefix_ttl_s)
     pipe.execute()
 
 

@@ -22,7 +22,7 @@ from scheduler.peaks import windows_of
 from scheduler.planner import Capacity, capacity_from, lead_time_s, plan
 from scheduler.router import DEFAULT_JOB_MS, WorkerView
 from store import Store
-from tidegate import keys
+from tidegate import hot, keys
 from tidegate.fleet import read_fleet
 from tidegate.lanes import Lane
 from tidegate.settings import Settings
@@ -49,8 +49,7 @@ def flush_arrivals(client: Any, store: Store, settings: Settings) -> int:
 
 
 def hot_prefixes(client: Any, settings: Settings, lane: str) -> list[str]:
-    key = keys.hot_prefixes(settings.namespace, lane)
-    return [p.decode() for p in client.zrevrange(key, 0, HOT_PREFIXES - 1)]
+    return hot.read(client, settings.namespace, lane, HOT_PREFIXES)
 
 
 def activation_s(client: Any, settings: Settings) -> float:

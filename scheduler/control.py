@@ -114,7 +114,9 @@ def reconcile(app: Celery, client: Any, settings: Settings) -> list[str]:
     wanted, actions = desired(client, settings), []
     for hb in read_fleet(client, settings.namespace):
         want = wanted.get(hb.name)
-        if want is None or hb.state in (WorkerState.STARTING, WorkerState.RESTARTING):
+        # A failed worker (dead engine) is on its way out: never hand it a queue again.
+        if want is None or hb.state in (WorkerState.STARTING, WorkerState.RESTARTING,
+                                        WorkerState.FAILED):
             continue
         consuming = want.queue in hb.consuming
         if want.state == WorkerState.ACTIVE and not consuming:

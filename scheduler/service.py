@@ -2,7 +2,10 @@
 
 `tidegate scheduler` runs a small Celery worker with an embedded beat, consuming only the
 scheduler's own queue. Each periodic task takes a Redis lock for its period first, so a
-second scheduler (two beats) sends the same ticks but only one of them acts.
+second scheduler (two beats) sends the same ticks but only one of them acts. Two periodic
+tasks: the tick (traffic, desired states, pre-warm, health) every `scheduler_tick_s`, and
+the reconciler (scheduler/reconcile.py: Redis made to agree with the store) every
+`reconcile_s`, on a thread of its own so a long tick (a rolling restart) never holds it.
 """
 
 from __future__ import annotations
@@ -12,18 +15,18 @@ import logging
 import time
 from typing import Any
 
-import redis
 from celery import Celery
 
-from scheduler import autoscale, control, health
+from scheduler import autoscale, control, health, reconcile
 from store import Store
 from tasks.app import make_app
-from tidegate import keys
+from tidegate import keys, redisconn
 from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.scheduler")
 
 TICK = "tidegate.scheduler.tick"
+RECONCILE = "tidegate.scheduler.reconcile"
 
 
 def scheduler_queue(settings: Settings) -> str:
@@ -66,18 +69,36 @@ def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str
     return {"acted": True, "period": period, "arrivals_sampled": arrivals, "actions": actions}
 
 
+def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+    """One reconciler pass per period, by one scheduler; its actions are recorded."""
+    if take_period(client, settings.namespace, "reconcile", settings.reconcile_s) is None:
+        return {"acted": False}
+    result = reconcile.reconcile(app, client, store, settings)
+    for action in result.get("actions", []):
+        record_action(client, settings.namespace, action)
+    return result
+
+
 def make_scheduler_app(settings: Settings) -> Celery:
     app = make_app(settings)
     app.conf.beat_schedule = {
         "tick": {"task": TICK, "schedule": settings.scheduler_tick_s,
                  "options": {"queue": scheduler_queue(settings)}},
+        # A pass that waited longer than a few periods is dropped: the next one comes.
+        "reconcile": {"task": RECONCILE, "schedule": settings.reconcile_s,
+                      "options": {"queue": scheduler_queue(settings),
+                                  "expires": max(5 * settings.reconcile_s, 10.0)}},
     }
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redisconn.sync_client(settings.redis_url)
     store = Store(settings.db_url)
 
     @app.task(name=TICK, ignore_result=True, acks_late=False)
     def _tick() -> dict[str, Any]:
         return tick(app, client, store, settings)
+
+    @app.task(name=RECONCILE, ignore_result=True, acks_late=False)
+    def _reconcile() -> dict[str, Any]:
+        return reconcile_pass(app, client, store, settings)
 
     return app
 
@@ -85,7 +106,8 @@ def make_scheduler_app(settings: Settings) -> Celery:
 def run_scheduler(loglevel: str = "INFO") -> None:
     settings = get_settings()
     app = make_scheduler_app(settings)
-    app.worker_main(["worker", "-B", "-P", "threads", "-c", "2", "-Q",
+    # Threads: a tick, a reconciler pass, and one spare for a tick that runs long.
+    app.worker_main(["worker", "-B", "-P", "threads", "-c", "3", "-Q",
                      scheduler_queue(settings), "-n", f"scheduler-{int(time.time())}@%h",
                      "--loglevel", loglevel, "--without-gossip", "--without-mingle",
                      "-s", str(settings.data_dir / f"beat-schedule-{time.time_ns()}")])

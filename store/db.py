@@ -22,7 +22,7 @@ from alembic.config import Config
 from sqlalchemy import delete, func, literal, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, defer, sessionmaker
 
 from store.engine import WRITE_OPTION, is_sqlite_memory, make_engine, normalize_url
 from store.models import (
@@ -106,7 +106,7 @@ def _tpot_ms(
 def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: int,
                 session_id: str | None, sampling: dict[str, Any], prompt_tokens: int,
                 idempotency_key: str | None, lora: str | None,
-                route_reason: str | None) -> Job:
+                route_reason: str | None, payload: dict[str, Any] | None) -> Job:
     return Job(
         id=job_id,
         tenant_id=tenant_id,
@@ -122,6 +122,7 @@ def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: in
         attempts=0,
         lora=lora,
         route_reason=route_reason,
+        payload=dict(payload) if payload is not None else None,
     )
 
 
@@ -221,9 +222,14 @@ class Store:
         idempotency_key: str | None = None,
         lora: str | None = None,
         route_reason: str | None = None,
+        payload: dict[str, Any] | None = None,
     ) -> tuple[JobRecord, bool, int]:
         """Write a queued job and count its session's turn (0 without a session) in one
         transaction; returns (job, created, turn).
+
+        payload: the task's JSON form (tasks.payloads), kept with the row until the job
+        ends so that a message Redis lost can be sent again; its "turn" is set to the
+        turn counted here, in the same transaction.
 
         With an idempotency key this tenant already used, that job comes back with
         created=False and turn 0, and no turn is counted. A session owned by another
@@ -235,7 +241,7 @@ class Store:
             if existing is not None:
                 return existing, False, 0
         row = _queued_job(job_id, tenant_id, lane, queue, priority, session_id, sampling,
-                          prompt_tokens, idempotency_key, lora, route_reason)
+                          prompt_tokens, idempotency_key, lora, route_reason, payload)
         return self._insert_job(row, turn_of=session_id)
 
     def _insert_job(self, row: Job, turn_of: str | None) -> tuple[JobRecord, bool, int]:
@@ -246,6 +252,8 @@ class Store:
                 session.add(row)
                 session.flush()
                 turn = self._count_turn(session, turn_of, row.tenant_id, None) if turn_of else 0
+                if turn and row.payload is not None:
+                    row.payload = {**row.payload, "turn": turn}  # written at commit
                 return job_record(row), True, turn
         except IntegrityError:
             # A concurrent request with the same key won the insert: answer with its job.
@@ -348,7 +356,8 @@ class Store:
         """Move a queued or running job to a terminal status; True when this call did.
 
         A job cancelled or expired meanwhile keeps its status but gets the usage, output
-        and times it lacks; any other terminal job is left as it is.
+        and times it lacks; any other terminal job is left as it is. The job's payload
+        (its prompt) is dropped: the job has ended.
         """
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"not a terminal status: {status!r}")
@@ -370,6 +379,7 @@ class Store:
                     setattr(job, name, value)
             if job.tpot_ms is None:
                 job.tpot_ms = _tpot_ms(job.first_token_at, end, job.completion_tokens)
+            job.payload = None
             if active:
                 job.status = status
             return active
@@ -378,7 +388,8 @@ class Store:
         """Cancel a queued or running job; terminal jobs come back unchanged.
 
         A running job gets finished_at from its worker's finish_job, which still fills in
-        what was generated until the worker noticed.
+        what was generated until the worker noticed (or from the reconciler, when that
+        worker died). A queued job ends here, and its payload is dropped.
         """
         with self._write() as session:
             job = self._locked_job(session, job_id)
@@ -386,17 +397,64 @@ class Store:
                 return None
             if job.status == QUEUED:
                 job.finished_at = utcnow()
+                job.payload = None
             if job.status in ACTIVE_STATUSES:
                 job.status = CANCELLED
             session.flush()
             return job_record(job)
+
+    def count_in_flight(self, tenant_id: int) -> int:
+        """The tenant's queued and running jobs: two ranges of ix_jobs_tenant_id_status,
+        read on every submit (the API's in-flight cap), so no longer than the cap."""
+        stmt = (select(func.count()).select_from(Job)
+                .where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE_STATUSES)))
+        with self._read() as session:
+            return session.scalar(stmt) or 0
 
     def expire_job(self, job_id: str) -> bool:
         """A queued or running job whose deadline passed becomes expired; True when it did."""
         stmt = (
             update(Job)
             .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
-            .values(status=EXPIRED, finished_at=utcnow())
+            .values(status=EXPIRED, finished_at=utcnow(), payload=None)
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        )
+        with self._write() as session:
+            return session.scalar(stmt) is not None
+
+    def unended_jobs(self, enqueued_before: datetime, limit: int) -> list[JobRecord]:
+        """Jobs accepted before `enqueued_before` and not ended yet (no finished_at: queued,
+        running, or cancelled while running and not yet finished), oldest first: the
+        reconciler's candidates. Reads the partial index ix_jobs_unended, whose size is the
+        live backlog; the payloads stay in the database (job_payload)."""
+        stmt = (select(Job).options(defer(Job.payload))
+                .where(Job.finished_at.is_(None), Job.enqueued_at < _aware(enqueued_before))
+                .order_by(Job.enqueued_at).limit(limit))
+        with self._read() as session:
+            return [job_record(job) for job in session.scalars(stmt)]
+
+    def unended_queues(self, prefix: str) -> list[str]:
+        """The queues named `prefix`... that jobs not ended yet were sent to (the
+        reconciler's dead direct queues); a read of ix_jobs_unended's rows."""
+        stmt = (select(Job.queue).distinct()
+                .where(Job.finished_at.is_(None), Job.queue.startswith(prefix, autoescape=True)))
+        with self._read() as session:
+            return list(session.scalars(stmt))
+
+    def job_payload(self, job_id: str) -> dict[str, Any] | None:
+        """The task payload kept with a job that has not ended (None once it has)."""
+        with self._read() as session:
+            payload = session.scalar(select(Job.payload).where(Job.id == job_id))
+            return dict(payload) if payload else None
+
+    def note_requeue(self, job_id: str, queue: str, route_reason: str) -> bool:
+        """A queued or running job whose message was sent again: its queue and why.
+        False when the job ended meanwhile."""
+        stmt = (
+            update(Job)
+            .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
+            .values(queue=queue, route_reason=route_reason)
             .returning(Job.id)
             .execution_options(synchronize_session=False)
         )

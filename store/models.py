@@ -23,6 +23,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -98,6 +99,14 @@ class Job(Base):
         ),
         # Sweeps (expiry, stuck jobs) look for old jobs in a given status.
         Index(None, "status", "enqueued_at"),
+        # Every submit counts its tenant's queued and running jobs (the in-flight cap,
+        # api/limits.py): two ranges of this index, at most the cap's entries long.
+        Index(None, "tenant_id", "status"),
+        # The reconciler's scan (scheduler/reconcile.py): jobs not ended yet, queued,
+        # running, or cancelled while running and not finished by a worker. Partial, so
+        # its size is the live backlog, not the history.
+        Index("ix_jobs_unended", "enqueued_at", sqlite_where=text("finished_at IS NULL"),
+              postgresql_where=text("finished_at IS NULL")),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
@@ -129,6 +138,11 @@ class Job(Base):
     attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     lora: Mapped[str | None] = mapped_column(String(128))  # LoRA adapter the job asked for
     route_reason: Mapped[str | None] = mapped_column(Text)  # the router's decision and why
+    # The task's payload (tasks.payloads.GeneratePayload, its JSON form, prompt included),
+    # written with the row: an accepted job is durable, and a message Redis lost is sent
+    # again from here (scheduler/reconcile.py). Cleared when the job ends (finished_at set):
+    # prompts are not kept after that.
+    payload: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class ChatSession(Base):

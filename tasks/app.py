@@ -14,8 +14,9 @@ from typing import Any
 from celery import Celery
 from kombu import Exchange, Queue
 
+from tasks import broker  # noqa: F401 - registers the fixed Redis transports with kombu
 from tasks.payloads import GENERATE, GeneratePayload
-from tidegate import keys
+from tidegate import keys, redisconn
 from tidegate.lanes import Lane, pool_queue
 from tidegate.settings import Settings, get_settings
 
@@ -36,7 +37,9 @@ def _first_lane_pool(lanes: dict[str, Lane]) -> tuple[Lane, str]:
 
 
 def make_app(settings: Settings) -> Celery:
-    app = Celery("tidegate", broker=settings.redis_url, set_as_current=False)
+    # A Sentinel URL becomes kombu's sentinel:// broker plus the master's name.
+    broker_url, sentinel_options = redisconn.celery_broker(settings.redis_url)
+    app = Celery("tidegate", broker=broker_url, set_as_current=False)
     lanes = settings.lanes
     app.conf.update(
         task_serializer="json",
@@ -57,6 +60,7 @@ def make_app(settings: Settings) -> Celery:
             "sep": keys.PRIORITY_SEP,
             "queue_order_strategy": "priority",
             "visibility_timeout": visibility_timeout_s(lanes),
+            **sentinel_options,
         },
         worker_hijack_root_logger=False,
         worker_send_task_events=True,  # Flower shows tasks
@@ -93,7 +97,16 @@ def send_generate(app: Celery, payload: GeneratePayload, queue: str, priority: i
         task_id=payload.job_id,
         queue=queue,
         priority=priority,
+        # Celery copies `argsrepr`/`kwargsrepr` (else the first 1 KB of the arguments: the
+        # prompt) into every task event, which Flower and any event consumer show.
+        argsrepr=task_repr(payload),
+        kwargsrepr="{}",
     )
     # No Celery `expires`: an expired message would be dropped without a trace and its
     # job row would stay `queued` forever. The worker ends late jobs `expired` instead.
 
+
+def task_repr(payload: GeneratePayload) -> str:
+    """What task events and Flower show of a job: ids and counts, never its text."""
+    return (f"job={payload.job_id} lane={payload.lane} prompt_tokens={payload.prompt_tokens} "
+            f"max_tokens={payload.sampling.max_tokens}")

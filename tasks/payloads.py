@@ -20,8 +20,10 @@ class Sampling:
 class GeneratePayload:
     """What a worker needs to run one job.
 
-    The prompt travels in the message because tidegate does not keep prompts in its
-    store; everything else about the job is read from the store by its id.
+    The prompt travels in the message, so a worker needs no store read to start. The
+    store keeps this payload too (jobs.payload, written with the row before the 202) until
+    the job ends, so that a message Redis lost is sent again from it (scheduler/
+    reconcile.py); it is dropped when the job ends: prompts are not kept after.
     """
 
     job_id: str  # also the Celery task id
@@ -31,11 +33,15 @@ class GeneratePayload:
     sampling: Sampling
     session_id: str | None = None
     turn: int = 0  # turn number of the session (1-based), 0 for one-shot requests
-    deadline_at: float | None = None  # epoch seconds; past it the job ends `expired`
+    # Epoch seconds, fixed at accept; past it the job ends `expired`. Never moved, also not
+    # for time a job lay orphaned (the deadline rule: scheduler/reconcile.py).
+    deadline_at: float | None = None
     lora: str | None = None  # LoRA adapter name; the router sent the job to a worker with it
     # Tokens of the rendered system turn: the lane's shared prefix, kept longer by the KV
     # cache on engines that take retention per token range (TensorRT-LLM).
     shared_prefix_tokens: int = 0
+    # The tenant's prefix-cache salt (Lane.cache_salt); None: the lane shares its cache.
+    cache_salt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
 
     def to_dict(self) -> dict[str, Any]:

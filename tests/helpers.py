@@ -3,8 +3,12 @@ tenants and jobs, queue lengths, reading a job's events)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
@@ -15,7 +19,7 @@ from store import Store
 from tidegate import keys
 from tidegate.events import Event
 from tidegate_tools.pg import pg_admin
-from tidegate_tools.procs import Proc
+from tidegate_tools.procs import Proc, free_port, wait_until
 
 
 @dataclass
@@ -82,3 +86,69 @@ def metric(text: str, name: str, **labels: str) -> float:
     return sum(s.value for family in text_string_to_metric_families(text)
                for s in family.samples
                if s.name == name and labels.items() <= s.labels.items())
+
+
+@contextlib.contextmanager
+def served(app: Any) -> Iterator[str]:
+    """`app` (api.app.create_app's) served by uvicorn on a free port, in a thread of the
+    test process: real HTTP, so a client's read timeout bounds every wait on it, for the
+    cost of no process start. Yields its base URL; stopped on the way out."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, name=f"api-{port}", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive(), 60, "the in-process API")
+        assert server.started, "the in-process API did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=15)
+
+
+@dataclass
+class ApiOfItsOwn:
+    base_url: str
+    app: Any
+    store: Store
+    redis: redis.Redis
+    namespace: str
+
+
+@contextlib.contextmanager
+def api_of_its_own(redis_server: str, tmp_root: Any, name: str, db: int,
+                   advertised: list[tuple[str, str]], **settings: Any) -> Iterator[ApiOfItsOwn]:
+    """An API of a test module's own, in a thread (`served`): its own SQLite database, its
+    own Redis database number `db` (emptied on the way out) and namespace `tg<name>`,
+    settings of its own (caps, periods), and a heartbeat per (lane, pool) in `advertised`
+    so those lanes' jobs are accepted and stay queued."""
+    from api.app import create_app
+    from store import upgrade
+    from tidegate.settings import Settings
+
+    url = f"sqlite:///{tmp_root / f'{name}.db'}"
+    upgrade(url)
+    config = Settings(redis_url=redis_server.rsplit("/", 1)[0] + f"/{db}", database_url=url,
+                      namespace=f"tg{name}", **settings)
+    client = redis.Redis.from_url(config.redis_url)
+    for lane, pool in advertised:
+        advertise(client, config.namespace, f"{lane}-advertised@{name}", lane, pool)
+    app = create_app(config)
+    try:
+        with served(app) as base_url:
+            yield ApiOfItsOwn(base_url, app, Store(url), client, config.namespace)
+    finally:
+        client.flushdb()
+
+
+def advertise(client: redis.Redis, namespace: str, name: str, lane: str, pool: str) -> None:
+    """The heartbeat an active worker of `lane`'s `pool` would write, with no worker behind
+    it: the router sends that lane's jobs to the pool queue, where they stay queued."""
+    import json
+
+    body = {"name": name, "state": "active", "lanes": [lane], "pool": pool, "engine": "vllm",
+            "slots": 4, "kv_cache_dtype": "fp8", "dtype": "float16", "stats": {}}
+    client.set(keys.worker_heartbeat(namespace, name), json.dumps(body))

@@ -20,8 +20,12 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:health:{worker}``       | hash    | scheduler       | ``HEALTH_STRIKES_TTL_S``          |
 | ``{ns}:arrivals:{lane}:{min}`` | counter | API             | ``ARRIVALS_TTL_S``, or until the  |
 |                                |         |                 | scheduler moves it to the store   |
-| ``{ns}:hot:{lane}``            | zset    | API             | ``HOT_PREFIXES_KEPT`` members     |
+| ``{ns}:hot:{lane}``            | zset    | API             | ``HOT_PREFIXES_KEPT`` digests,    |
+|                                |         |                 | ``hot_prefix_ttl_s`` after a use  |
+| ``{ns}:hot:{lane}:{digest}``   | string  | API             | ``hot_prefix_ttl_s`` after a use  |
 | ``{ns}:activation_s``          | list    | scheduler       | last 20 activation times          |
+| ``{ns}:reconcile:suspects``    | hash    | scheduler       | job -> when first seen orphaned;  |
+|                                |         |                 | ``RECONCILE_SUSPECTS_TTL_S``      |
 
 Celery queues (kombu's lists on the broker's Redis; no namespace, the broker's DB keeps
 deployments apart):
@@ -74,9 +78,28 @@ def direct_queue(ns: str, worker: str) -> str:
     return f"{ns}.direct.{worker}"
 
 
+def direct_queue_pattern(ns: str) -> str:
+    """Every worker's direct queue and its priority sub-lists (a SCAN pattern)."""
+    return f"{ns}.direct.*"
+
+
+def direct_queue_worker(ns: str, queue: str) -> str | None:
+    """The worker whose direct queue (or sub-list of it) `queue` is; None for any other."""
+    prefix = f"{ns}.direct."
+    if not queue.startswith(prefix):
+        return None
+    return queue[len(prefix):].split(PRIORITY_SEP, 1)[0] or None
+
+
 def queue_sublists(queue: str) -> list[str]:
     """kombu's lists of one queue, priority step 0 first."""
     return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+
+
+def sublist_step(sublist: str) -> int:
+    """The priority step of one of kombu's lists (`queue_sublists`)."""
+    _, sep, step = sublist.rpartition(PRIORITY_SEP)
+    return int(step) if sep and step.isdigit() else 0
 
 
 def job_events(ns: str, job_id: str) -> str:
@@ -146,11 +169,25 @@ def parse_arrivals(key: str) -> tuple[str, int]:
 
 
 def hot_prefixes(ns: str, lane: str) -> str:
+    """A lane's system prompts ranked by use, as digests (tidegate/hot.py)."""
     return f"{ns}:hot:{lane}"
+
+
+def hot_prefix_text(ns: str, lane: str, digest: str) -> str:
+    """One hot prefix's text, under the sha256 digest the ranking holds."""
+    return f"{ns}:hot:{lane}:{digest}"
 
 
 def activation_times(ns: str) -> str:
     return f"{ns}:activation_s"
+
+
+RECONCILE_SUSPECTS_TTL_S = 600  # written every reconcile pass; gone when no scheduler runs
+
+
+def reconcile_suspects(ns: str) -> str:
+    """Jobs the reconciler found with no message and no lease, and since when."""
+    return f"{ns}:reconcile:suspects"
 
 
 def stream_id(seq: int) -> str:

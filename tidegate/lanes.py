@@ -73,6 +73,23 @@ class Lane(BaseModel):
     # lanes' workers share a host's cores (their schedulers, detokenizers, CPU engines), a
     # bulk lane set higher yields the cores to a sensitive one under a peak.
     cpu_nice: int = Field(0, ge=0, le=19)
+    # Messages that may wait in the lane's pool queues (None: TIDEGATE_MAX_QUEUE_DEPTH).
+    max_queue_depth: int | None = Field(None, gt=0)
+    # Prefix-cache isolation. False (the default): each tenant's requests carry a cache
+    # salt of their own (vLLM's `cache_salt`), tenants never share KV blocks, and the
+    # `cached_tokens` (and TTFT) a tenant sees says nothing about another tenant's
+    # prompts. True: the lane's tenants share one cache: a system prompt common to the
+    # lane is computed once for all of them, and `warm_prompts` and the hot prefixes
+    # warmed into activated workers (unsalted) serve their requests. vLLM salts a
+    # prompt's first block and chains every later block's hash from it, so a salt covers
+    # the whole prompt: a lane cannot share its system prompt while isolating what
+    # follows. Turn it on only where the lane's tenants may learn of each other's prompts
+    # (one organisation, or prompts that are not secret).
+    share_prefix_cache: bool = False
+
+    def cache_salt(self, tenant_id: int) -> str | None:
+        """The prefix-cache salt of a tenant's requests on this lane (None: shared)."""
+        return None if self.share_prefix_cache else f"tenant-{tenant_id}"
 
 
 PRIORITY_MIN, PRIORITY_MAX = 0, 9

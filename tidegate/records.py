@@ -23,6 +23,9 @@ class WorkerState(StrEnum):
     ACTIVE = "active"  # consumes its pool's lane queue
     DRAINING = "draining"  # stopped consuming the lane queue; finishing jobs in flight
     RESTARTING = "restarting"  # exiting so that its supervisor starts a fresh process
+    # Its engine died: out of rotation, consuming nothing, its jobs left to other workers;
+    # it exits for its supervisor to restart it (workers/worker.py `Worker.engine_died`).
+    FAILED = "failed"
 
 
 class JobStatus(StrEnum):

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from tidegate import redisconn
 from tidegate.lanes import DEFAULT_LANES_FILE, Lane, LanesConfigError, load_lanes
 
 DATA_DIR = Path("data")
@@ -21,7 +22,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TIDEGATE_", extra="ignore")
 
     data_dir: Path = DATA_DIR  # models, SQLite file, logs of the demo
-    redis_url: str = "redis://127.0.0.1:6379/0"  # broker, token streams, heartbeats
+    # Broker, token streams, heartbeats: one server, or sentinel://... (tidegate/redisconn.py)
+    redis_url: str = "redis://127.0.0.1:6379/0"
     database_url: str = ""  # empty: a SQLite file in data_dir
     model: str = ""  # path of a HF checkpoint; empty: the local test checkpoint
     lanes_file: Path = DEFAULT_LANES_FILE
@@ -32,11 +34,38 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, ge=1, le=65535)
     max_body_bytes: int = Field(256 * 1024, gt=0)  # request bodies above this get 413
 
+    # Load bounds (api/limits.py): over one, a 429 or 503 with Retry-After, never a wait.
+    # Non-terminal jobs (queued or running) one tenant may have; the store counts them.
+    max_in_flight_per_tenant: int = Field(1000, gt=0)
+    # Messages waiting in a lane's pool queues; a lane's `max_queue_depth` overrides it.
+    # Jobs below the lane's default priority are refused at a lower depth (shed first).
+    max_queue_depth: int = Field(10_000, gt=0)
+    # Submits and stream openings waiting for an admission thread (api/admission.py).
+    max_admission_waiting: int = Field(1000, gt=0)
+    # SSE streams (api/app.py): open at once per API process, and per tenant in a process;
+    # each holds a Redis connection, from a pool bounded by the first plus a few.
+    sse_max_streams: int = Field(1000, gt=0)
+    sse_max_streams_per_tenant: int = Field(100, gt=0)
+    # A quiet stream sends a keep-alive, and checks the job's row, this often.
+    sse_keepalive_s: float = Field(15.0, gt=0)
+    # The store says the job ended: its end event gets this long to reach the stream
+    # before the SSE ends with an `error` event (`stream_gone`).
+    sse_end_grace_s: float = Field(10.0, gt=0)
+    # A stream older than this ends with an `error` event (`reconnect`): the client
+    # reconnects with Last-Event-ID (and may land on another API replica).
+    sse_max_lifetime_s: float = Field(1800.0, gt=0)
+
     stream_maxlen: int = Field(10_000, gt=0)  # events kept per job stream (approximate trim)
     stream_ttl_s: int = Field(3600, gt=0)  # job stream lifetime after its terminal event
+    # A lane's hot prefix (tenants' system prompts, tidegate/hot.py) is forgotten this
+    # long after its last use: a day keeps a daily peak's prompts for the next one.
+    hot_prefix_ttl_s: int = Field(86400, gt=0)
     heartbeat_s: float = Field(2.0, gt=0)  # worker heartbeat period; TTL is 5 periods
     # A job taken up this many times, each attempt dying with its worker, ends `poison`.
     max_attempts: int = Field(3, ge=1)
+    # A worker retries a failed store or Redis call this long (backoff) before it gives
+    # the job back to its queue rather than acking a job it could not end (workers/retry.py).
+    io_retry_s: float = Field(15.0, gt=0)
 
     engine_slots: int = Field(64, gt=0)  # sequences per engine = Celery thread concurrency
     max_model_len: int = Field(2048, gt=0)
@@ -45,6 +74,9 @@ class Settings(BaseSettings):
     kv_block_size: int = Field(0, ge=0)  # tokens per KV block; 0: the engine's default
     # KV cache eviction: "session" (session priority, workers/kvcache) or "lru" (vLLM's own).
     kv_policy: Literal["session", "lru"] = "session"
+    # The simulated engine's timing profile (`tidegate worker --engine sim`): a table of
+    # workers/sim_profiles.toml; an unknown name stops the worker naming the known ones.
+    sim_profile: str = "llama-3.1-8b-fp8-h100"
 
     # LoRA adapters a worker serves: "name=path,name2=path2" (a worker-side setting).
     lora_adapters: str = ""
@@ -53,18 +85,21 @@ class Settings(BaseSettings):
     session_affinity: bool = True
 
     scheduler_tick_s: float = Field(10.0, gt=0)  # period of the scheduler's beat
+    # The reconciler (scheduler/reconcile.py) runs this often; a job it finds with no
+    # message and no lease for this long is sent again or ended.
+    reconcile_s: float = Field(2.0, gt=0)
+    reconcile_grace_s: float = Field(5.0, gt=0)
     alloc_latency_threshold_ms: float = Field(200.0, gt=0)  # health: KV allocation latency
 
     flower_port: int = Field(5555, ge=1, le=65535)
     flower_user: str = "admin"
-    flower_password: str = "tidegate"
+    # No default: `tidegate flower` refuses to start without one (tidegate_tools/cli.py).
+    flower_password: str = ""
 
     @field_validator("redis_url")
     @classmethod
-    def _redis_scheme(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
-        return v
+    def _redis_url(cls, v: str) -> str:
+        return redisconn.validate(v)  # one server, or Sentinel (tidegate/redisconn.py)
 
     @field_validator("database_url")
     @classmethod

@@ -78,12 +78,40 @@ def _api(args: argparse.Namespace) -> None:
                 port=args.port or settings.api_port, log_level="info")
 
 
+# The password tidegate shipped as Flower's default until it had none: still in configs
+# copied from old READMEs, and known to anyone who read them.
+OLD_DEFAULT_FLOWER_PASSWORD = "tidegate"
+
+
 def _flower(args: argparse.Namespace) -> None:
+    import os
+
     from tasks.app import celery_app
 
     s = get_settings()
-    celery_app().start(["flower", f"--port={args.port or s.flower_port}", "--address=127.0.0.1",
-               f"--basic-auth={s.flower_user}:{s.flower_password}"])
+    problem = flower_auth_problem(s.flower_user, s.flower_password)
+    if problem:
+        sys.exit(f"tidegate flower: {problem}")
+    # Through Flower's environment, not its argv: a command line is visible to every
+    # local user (`ps`).
+    os.environ["FLOWER_BASIC_AUTH"] = f"{s.flower_user}:{s.flower_password}"
+    celery_app().start(["flower", f"--port={args.port or s.flower_port}",
+                        "--address=127.0.0.1"])
+
+
+def flower_auth_problem(user: str, password: str) -> str | None:
+    """Why Flower must not start behind these credentials (None: it may). Flower shows
+    every worker and task and can revoke tasks and shut workers down."""
+    if not password:
+        return "set TIDEGATE_FLOWER_PASSWORD; Flower does not start without a password"
+    if password == OLD_DEFAULT_FLOWER_PASSWORD:
+        return "TIDEGATE_FLOWER_PASSWORD is the default tidegate once shipped; choose another"
+    if not user or ":" in user or "," in user + password:
+        # Flower splits its credential list on commas and a credential on the first colon:
+        # a comma would make part of the password a credential of its own.
+        return "TIDEGATE_FLOWER_USER must be non-empty without ':' or ','; the password " \
+               "without ','"
+    return None
 
 
 def _scheduler(args: argparse.Namespace) -> None:
@@ -154,7 +182,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="CPU engines: cores to pin the engine to, e.g. 1 or 2-3")
     w.add_argument("--name", default=None, help="worker name (Celery node name)")
     w.add_argument("--loglevel", default="INFO")
-    w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm"])
+    w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm", "sim"],
+                   help="sim: no model, a GPU's timings (TIDEGATE_SIM_PROFILE)")
     w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
     w.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--standby", action="store_true",

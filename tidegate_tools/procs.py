@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 
 import redis
 
+from tidegate import redisconn
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -75,7 +77,7 @@ def wait_until(check: Callable[[], bool], timeout_s: float, what: str,
 
 def redis_answers(url: str) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=1).ping())
+        return bool(redisconn.sync_client(url, socket_connect_timeout=1).ping())
     except redis.RedisError:
         return False
 
@@ -96,9 +98,13 @@ def redis_server_binary() -> str:
     return found
 
 
-def start_redis(port: int, log_dir: Path) -> Proc:
+def start_redis(port: int, log_dir: Path, replica_of: int | None = None) -> Proc:
+    """A Redis on 127.0.0.1:`port`, no persistence; a replica of the one on `replica_of`."""
+    # --dir: a replica's full sync writes dump.rdb there, and a start loads one found there.
     argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--maxmemory-policy", "noeviction"]
+            "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(log_dir)]
+    if replica_of is not None:
+        argv += ["--replicaof", "127.0.0.1", str(replica_of)]
     proc = Proc(f"redis-server:{port}", argv, log_dir / f"redis-{port}.log", dict(os.environ))
     url = f"redis://127.0.0.1:{port}/0"
     wait_until(lambda: redis_answers(url), 10, f"Redis on port {port}", [proc], poll_s=0.05)
@@ -109,10 +115,31 @@ def ensure_redis(url: str, log_dir: Path) -> Proc | None:
     """Starts a private Redis when none answers at `url` (a local one); None when one does."""
     if redis_answers(url):
         return None
+    if redisconn.is_sentinel(url):
+        raise RuntimeError(f"no master answers through the sentinels of {url}")
     parsed = urlparse(url)
     if parsed.hostname not in ("127.0.0.1", "localhost"):
         raise RuntimeError(f"Redis at {url} does not answer, and it is not local to start one")
     return start_redis(parsed.port or 6379, log_dir)
+
+
+def start_sentinel(port: int, master_port: int, master: str, log_dir: Path,
+                   down_after_ms: int = 1000, failover_timeout_ms: int = 3000) -> Proc:
+    """A Redis Sentinel (`redis-server <conf> --sentinel`) on 127.0.0.1:`port` watching
+    the master on `master_port` under the name `master`, a quorum of one. The sentinel
+    rewrites its config file, so it is written afresh beside the log."""
+    conf = log_dir / f"sentinel-{port}.conf"
+    conf.parent.mkdir(parents=True, exist_ok=True)
+    conf.write_text(f"port {port}\nbind 127.0.0.1\n"
+                    f"sentinel monitor {master} 127.0.0.1 {master_port} 1\n"
+                    f"sentinel down-after-milliseconds {master} {down_after_ms}\n"
+                    f"sentinel failover-timeout {master} {failover_timeout_ms}\n")
+    argv = [redis_server_binary(), str(conf), "--sentinel"]
+    proc = Proc(f"redis-sentinel:{port}", argv, log_dir / f"sentinel-{port}.log",
+                dict(os.environ))
+    url = f"sentinel://127.0.0.1:{port}/0?master={master}"
+    wait_until(lambda: redis_answers(url), 10, f"Sentinel on port {port}", [proc], poll_s=0.05)
+    return proc
 
 
 def tidegate_argv(*args: str) -> list[str]:
@@ -126,8 +153,10 @@ def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:
 
 def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path,
                  pool: str | None = None, standby: bool = False,
-                 cpus: str | None = None) -> Proc:
+                 cpus: str | None = None, engine: str | None = None) -> Proc:
     argv = tidegate_argv("worker", "--lane", lane, "--name", name)
+    if engine:
+        argv += ["--engine", engine]
     if cpus:
         argv += ["--cpus", cpus]
     if pool:

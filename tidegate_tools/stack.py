@@ -24,6 +24,7 @@ class WorkerSpec:
     name: str  # its Celery node name
     cpus: str | None = None  # CPU build: the cores its engine is pinned to
     pool: str | None = None  # default: its engine's kind
+    engine: str | None = None  # `tidegate worker --engine`; default: vllm
 
 
 @dataclass
@@ -69,7 +70,8 @@ def running_stack(env: Mapping[str, str], workers: Sequence[WorkerSpec], logs: P
             stack.procs.append(start_redis(port, logs))
             stack.redis_url = env["TIDEGATE_REDIS_URL"] = f"redis://127.0.0.1:{port}/0"
         # Workers first: their engines load while the API starts.
-        stack.procs += [start_worker(env, w.lane, w.name, logs, pool=w.pool, cpus=w.cpus)
+        stack.procs += [start_worker(env, w.lane, w.name, logs, pool=w.pool, cpus=w.cpus,
+                                     engine=w.engine)
                         for w in workers]
         port = api_port or free_port()
         stack.procs.append(start_api(env, port, logs))

@@ -6,15 +6,14 @@ import json
 import time
 from typing import Any
 
-import redis
-
+from tidegate import redisconn
 from tidegate.fleet import read_fleet, recent_actions
 from tidegate.records import EngineStats, Heartbeat
 from tidegate.settings import Settings
 
 
 def print_fleet(settings: Settings) -> None:
-    client = redis.Redis.from_url(settings.redis_url)
+    client = redisconn.sync_client(settings.redis_url)
     _print_workers(read_fleet(client, settings.namespace))
     actions = [a for a in recent_actions(client, settings.namespace, 50)
                if a.get("action") != "tick"][-10:]

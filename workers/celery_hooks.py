@@ -13,32 +13,50 @@ from typing import Any
 
 import click
 from celery import Celery, bootsteps
+from celery.exceptions import Reject
 from celery.signals import worker_ready, worker_shutting_down
 from celery.worker.control import control_command, inspect_command
+from celery.worker.request import Request
 
 from tasks.payloads import GENERATE
 from tidegate.records import RESTART_EXIT
 from tidegate.settings import get_settings
 from workers.engine import Engine, EngineConfig
+from workers.runner import REQUEUED
 from workers.worker import Phase, Worker, current, set_current
 
 log = logging.getLogger("tidegate.worker")
 
-ENGINES = ("vllm", "trtllm")
+ENGINES = ("vllm", "trtllm", "sim")  # sim: no model, GPU timings (workers/sim_engine.py)
 OPTIONS = ("lane", "pool", "engine")  # `--tidegate-<option>`, handed to EngineStep
 
 
 def register(app: Celery) -> None:
     """The generate task, the engine bootstep and its options, on this process's app."""
-    app.task(name=GENERATE, bind=True, acks_late=True)(generate)
+    app.task(name=GENERATE, bind=True, acks_late=True, Request=TextFreeRequest)(generate)
     app.steps["worker"].add(EngineStep)
     for option in OPTIONS:  # Celery's own option parser learns `--tidegate-lane`
         app.user_options["worker"].add(
             click.Option((f"--tidegate-{option}",), default="", help=f"tidegate {option}"))
 
 
+class TextFreeRequest(Request):
+    """A task request whose `info()` (what `inspect active/reserved/query_task` answer, and
+    Flower shows on a worker's page) carries the task's `argsrepr`, never its arguments:
+    a generate task's argument is the prompt (tasks.app.task_repr)."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        return super().info(safe=True)
+
+
 def generate(task: Any, body: dict[str, Any]) -> str:
-    return current().run(body)
+    outcome = current().run(body)
+    if outcome == REQUEUED:
+        # The job could not be ended (store or Redis down past the retries): rejected with
+        # requeue, kombu puts the message back on its queue; acked, the job would be lost.
+        raise Reject(f"job {task.request.id}: requeued, the store or Redis is failing",
+                     requeue=True)
+    return outcome
 
 
 def make_engine(lane: str, kind: str) -> Engine:
@@ -57,6 +75,10 @@ def make_engine(lane: str, kind: str) -> Engine:
         from workers.trtllm_engine import TrtllmEngine
 
         return TrtllmEngine(config)
+    if kind == "sim":
+        from workers.sim_engine import SimEngine
+
+        return SimEngine(config, profile=settings.sim_profile)
     from workers.vllm_engine import VllmEngine
 
     return VllmEngine(config)
@@ -102,7 +124,7 @@ def tidegate_stats(state: Any) -> dict[str, Any]:
     stats = me.engine_stats()
     in_flight, outcomes = me.counts()
     return {**(stats.to_dict() if stats else {}), "state": me.state(), "outcomes": outcomes,
-            "in_flight": in_flight}
+            "in_flight": in_flight, "store_faults": me.store_fault.fired, "held": me.hold.held}
 
 
 @control_command(args=[("prompts", list), ("system_prompts", list)],
@@ -168,4 +190,26 @@ def tidegate_fault(state: Any, alloc_latency_ms: float | None = None) -> dict[st
     """Fault injection: report this allocation latency until the next engine restart."""
     current().forced_alloc_latency_ms = alloc_latency_ms
     log.warning("fault injected: reporting allocation latency %s ms", alloc_latency_ms)
+    return {"ok": True}
+
+
+@control_command(args=[("failures", int), ("outage_s", float)], signature="<failures> <outage_s>")
+def tidegate_store_fault(state: Any, failures: int = 0, outage_s: float = 0.0) -> dict[str, Any]:
+    """Fault injection: the next `failures` store statements of this worker fail, or all of
+    them for `outage_s` seconds from the next one (workers/faults.py `StoreFault`)."""
+    current().store_fault.arm(failures=failures, outage_s=outage_s)
+    log.warning("fault injected: store statements fail (%d, or for %.1f s)", failures, outage_s)
+    return {"ok": True}
+
+
+@control_command(args=[("after_tokens", int)], signature="<after_tokens>")
+def tidegate_hold(state: Any, after_tokens: int = 0) -> dict[str, Any]:
+    """Fault injection: the next job to stream `after_tokens` tokens waits there until a
+    `tidegate_hold` with 0 lets it go (workers/faults.py `TokenHold`)."""
+    hold = current().hold
+    if after_tokens > 0:
+        hold.arm(after_tokens)
+    else:
+        hold.release()
+    log.warning("fault injected: hold a job after %d tokens", after_tokens)
     return {"ok": True}

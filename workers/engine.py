@@ -43,6 +43,9 @@ class EngineRequest:
     lora: str | None = None  # name of a LoRA adapter from EngineConfig.lora_adapters
     warm: bool = False  # a warm-up prompt: the lane's hot prefix, kept as a shared one
     shared_prefix_tokens: int = 0  # leading prompt tokens shared across requests (system turn)
+    # Requests share prefix-cache blocks only with requests of the same salt (a tenant's);
+    # None: with every unsalted request (tidegate.lanes.Lane.share_prefix_cache).
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,12 @@ async def warm_prompts(engine: Engine, prompts: list[str]) -> None:
 
 class EngineError(RuntimeError):
     """The engine refused or failed a request; the message is safe to show the client."""
+
+
+class EngineDead(RuntimeError):
+    """The engine itself is gone (its process died): no request can run on it any more.
+    Not the request's fault, so its job is not ended: the worker leaves it to another
+    and restarts (workers/worker.py). Raised by `generate`, and by `stats` once known."""
 
 
 KV_POLICIES = ("lru", "session")  # EngineConfig.kv_policy: stock LRU, or workers/kvcache

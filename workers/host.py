@@ -8,17 +8,23 @@ stalls the loop that feeds every other request in the batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from workers.engine import Delta, Engine, EngineRequest
 
 _END = object()
 _REMEMBER_CANCELLED = 10_000  # ids cancelled before their run started (broadcast cancels)
+# The loop thread's name, in Python and for the OS (/proc/<pid>/task/<tid>/comm, at most
+# 15 bytes): profilers and bench/frontdoor.py tell the engine's CPU from the worker's by it.
+# Threads the loop starts (its default executor's, a tokenizer's) inherit the OS name.
+ENGINE_THREAD = "tidegate-engine"
 
 
 class Cancelled(Exception):
@@ -33,11 +39,12 @@ class EngineHost:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=ENGINE_THREAD, daemon=True)
         self._tasks: dict[str, asyncio.Task[Any]] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
 
     def _run_loop(self) -> None:
+        _name_os_thread(ENGINE_THREAD)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -50,9 +57,9 @@ class EngineHost:
         if warm_prompts:
             self._call(self.engine.warm(warm_prompts)).result()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 30.0) -> None:
         if self._thread.is_alive():
-            self._call(self.engine.shutdown()).result(timeout=30)
+            self._call(self.engine.shutdown()).result(timeout=timeout_s)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=10)
 
@@ -95,7 +102,10 @@ class EngineHost:
         except Exception as exc:  # handed to the task thread, which reports it on the job
             out.put(exc)
         finally:
-            self._tasks.pop(rid, None)
+            # An abandoned attempt can end after the same job's next attempt started here
+            # (a requeued job): remove only this run's own entry.
+            if self._tasks.get(rid) is task:
+                del self._tasks[rid]
             out.put(_END)
 
     def cancel(self, request_id: str) -> None:
@@ -119,3 +129,10 @@ class EngineHost:
         task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
+
+
+def _name_os_thread(name: str) -> None:
+    """The calling thread's OS name (Python before 3.14 leaves every thread with the
+    process's); Linux only, and nothing breaks without it."""
+    with contextlib.suppress(OSError):
+        Path("/proc/thread-self/comm").write_text(name[:15])

@@ -1,10 +1,20 @@
 """Token events into Redis: each one appended to the job's stream and published on its
 channel in one round trip, by a script that first checks the attempt still holds the
-job's lease (workers/lease.py): a replaced attempt can never add to the stream."""
+job's lease (workers/lease.py): a replaced attempt can never add to the stream.
+
+A Redis that restarted empty (no persistence) lost the streams of the jobs running: the
+script notices that a stream it appends to after the first event is gone, and the
+attempt writes back every event it knows of (its own and earlier attempts') before the
+new one, with their own seqs, so a consumer reconnecting after the last event it kept
+gets exactly what it missed: no gap, no repeat.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,15 +24,25 @@ from tidegate import keys
 from tidegate.events import Event
 from workers.lease import Lease, LeaseLost
 
+log = logging.getLogger("tidegate.worker")
+
 # KEYS: lease, stream. ARGV: owner, entry id, event JSON, kind, maxlen, channel, stream
-# TTL (0: none), lease TTL. A lapsed lease nobody else took is taken back (workers/lease.py).
-# The entry id is the event's seq, so Redis refuses a second append of one seq.
+# TTL (0: none), lease TTL, mode, write time. A lapsed lease nobody else took is taken back
+# (workers/lease.py). The entry id is the event's seq, so Redis refuses a second append of
+# one seq. Modes: "next" (an event after the first: -1 if the stream is gone), "first",
+# "restore" (an event written back: not published again on the live channel).
+# The entry's `t` is the worker's time.time() when it sent this write (seconds, a decimal
+# string; a written-back event gets the time of the write-back): readers of the event
+# read `e` and `k` only; `t` is for measuring delivery (bench/frontdoor.py). New ARGVs go
+# at the end, so the order above stays as it is.
 APPEND = """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
+if ARGV[9] == 'next' and redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 if not holder then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[8]) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], ARGV[2], 'e', ARGV[3], 'k', ARGV[4])
-redis.call('PUBLISH', ARGV[6], ARGV[3])
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], ARGV[2], 'e', ARGV[3], 'k', ARGV[4],
+           't', ARGV[10])
+if ARGV[9] ~= 'restore' then redis.call('PUBLISH', ARGV[6], ARGV[3]) end
 if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[2], ARGV[7]) end
 return 1
 """
@@ -36,6 +56,7 @@ class StreamState:
     text: str
     token_ids: tuple[int, ...]
     terminal: bool
+    events: tuple[Event, ...] = ()  # all of them, to write back if Redis loses the stream
 
 
 class EventPublisher:
@@ -46,23 +67,36 @@ class EventPublisher:
         self.ttl_s = ttl_s
         self._append: Any = client.register_script(APPEND)
 
-    def publish(self, event: Event, lease: Lease) -> bool:
+    def publish(self, event: Event, lease: Lease, history: Sequence[Event] = ()) -> bool:
         """Append and publish; False when this seq was already appended (a duplicate);
-        LeaseLost when `lease` is no longer the attempt's."""
+        LeaseLost when `lease` is no longer the attempt's. `history`: the job's events
+        before this one, written back first if Redis lost the stream."""
+        appended = self._append_one(event, lease, "next" if event.seq > 0 else "first")
+        if appended == -1:
+            log.warning("job %s: its event stream was lost (Redis restarted empty?); "
+                        "writing back its %d earlier events", event.job_id, len(history))
+            for past in history:
+                self._append_one(past, lease, "restore")
+            appended = self._append_one(event, lease, "first")
+        return appended is not None
+
+    def _append_one(self, event: Event, lease: Lease, mode: str) -> int | None:
+        """The script's answer (1, or -1: the stream is gone); None for a seq appended
+        before; LeaseLost when the lease is another attempt's."""
         fields = event.stream_fields()
         args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
                 keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0,
-                lease.ttl_s]
+                lease.ttl_s, mode, repr(time.time())]
         try:
-            appended = self._append(keys=[lease.key, keys.job_events(self.ns, event.job_id)],
-                                    args=args)
+            answer = self._append(keys=[lease.key, keys.job_events(self.ns, event.job_id)],
+                                  args=args)
         except redis.ResponseError as exc:
             if "equal or smaller" in str(exc):
-                return False
+                return None
             raise
-        if not appended:
+        if answer == 0:
             raise LeaseLost(event.job_id)
-        return True
+        return int(answer)
 
     def finished(self, summary: dict[str, object]) -> None:
         """A finished job's timings, read by the API for its Prometheus histograms."""
@@ -78,4 +112,5 @@ class EventPublisher:
             text="".join(e.text for e in tokens),
             token_ids=tuple(i for e in tokens for i in e.token_ids),
             terminal=bool(events) and events[-1].terminal,
+            events=tuple(events),
         )

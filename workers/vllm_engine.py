@@ -19,6 +19,7 @@ from typing import Any
 from workers.engine import (
     Delta,
     EngineConfig,
+    EngineDead,
     EngineError,
     EngineRequest,
     EngineStats,
@@ -182,6 +183,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = SamplingParams(
             max_tokens=request.max_tokens,
@@ -209,6 +211,9 @@ class VllmEngine:
         except (ValueError, VLLMClientError) as exc:
             finished = True
             raise EngineError(str(exc)) from exc
+        except EngineDeadError as exc:  # the engine core process died: not this request's fault
+            finished = True
+            raise EngineDead("vLLM's engine core died") from exc
         finally:
             # Cancelling vLLM's generate() aborts the request inside the engine; the
             # engine's iteration stats do not count client aborts, so count them here.
@@ -224,10 +229,13 @@ class VllmEngine:
                 "kv": retention(meta, self.config.kv_params).as_dict()}
 
     def _prompt(self, request: EngineRequest) -> dict[str, Any]:
+        # vLLM mixes the salt into the first block's hash, which every later block chains
+        # from: requests of different salts share no block.
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
         if not request.resume_token_ids:
-            return {"prompt": request.prompt}
+            return {"prompt": request.prompt, **salt}
         ids = self._llm.get_tokenizer().encode(request.prompt)
-        return {"prompt_token_ids": list(ids) + list(request.resume_token_ids)}
+        return {"prompt_token_ids": list(ids) + list(request.resume_token_ids), **salt}
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
@@ -249,6 +257,8 @@ class VllmEngine:
             snap.avg_cache_allocation_latency_ms = alloc.recent_ms
             snap.kv_evictions = alloc.evictions
         if self._llm is not None:
+            if self._llm.errored:  # vLLM noticed its engine core die (a monitor thread)
+                raise EngineDead("vLLM's engine core died")
             snap.unfinished = self._llm.get_num_unfinished_requests()
         return snap
 

@@ -4,8 +4,17 @@ and their outcomes, and the two threads beside Celery's (heartbeat, cancel liste
 State is derived, not stored, where Celery already knows the truth: a ready worker is
 `active` while it consumes its pool queue (the scheduler's `add_consumer`), `draining`
 once it stopped consuming it but still runs jobs, `standby` when idle on its direct queue
-alone. Only the phase (`starting`, `ready`, `restarting`) and a Celery shutdown are set
-here. Celery reaches this object through `current()`, from workers/celery_hooks.py.
+alone. Only the phase (`starting`, `ready`, `restarting`, `failed`) and a Celery shutdown
+are set here. Celery reaches this object through `current()`, from workers/celery_hooks.py.
+
+A dead engine (its process killed or crashed) fails the worker: its heartbeat says
+`failed` at once, so routers and the scheduler pass it by; it stops consuming; the task of
+every job it held returns no outcome at all, leaving the job leaseless and its message
+unacked, and once its consumer takes no more messages, the worker hands those back to
+their queues itself, as the recovery sweep would (tasks/recovery.py), for another worker
+to resume after the tokens already streamed; then the process exits with RESTART_EXIT
+and its supervisor starts a fresh one. Should the worker not get that far, the other
+workers' sweep hands them back after its grace period.
 """
 
 from __future__ import annotations
@@ -18,20 +27,22 @@ import threading
 import time
 import uuid
 from enum import StrEnum
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 
 from store import Store
 from tasks.recovery import restore_orphans
-from tidegate import keys
+from tidegate import keys, redisconn
 from tidegate.lanes import pool_queue
-from tidegate.records import EngineStats, Heartbeat, WorkerState
+from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
 from tidegate.settings import Settings
-from workers.engine import Engine
+from workers.engine import Engine, EngineDead
+from workers.faults import StoreFault, TokenHold
 from workers.host import EngineHost
 from workers.publisher import EventPublisher
-from workers.runner import WorkerContext, run_job
+from workers.retry import Retrier
+from workers.runner import ENGINE_DEAD, WorkerContext, run_job
 
 log = logging.getLogger("tidegate.worker")
 
@@ -41,6 +52,13 @@ class Phase(StrEnum):
     READY = "ready"  # serving: the state follows the queues Celery consumes
     DRAINING = "draining"  # Celery is shutting down: no new job, in-flight ones finish
     RESTARTING = "restarting"  # exiting for a fresh process (RESTART_EXIT)
+    FAILED = "failed"  # the engine died: out of rotation, exiting for a fresh process
+
+
+RETIRE_WAIT_S = 10.0  # a failed worker waits this long at most for its jobs to leave it
+ENGINE_STOP_S = 5.0  # and this long for what is left of its engine to shut down
+CONTROL_TIMEOUT_S = 2.0
+KOMBU_BRPOP_S = 1.5  # kombu's Redis consumer blocks in BRPOP this long at most (1 s), and more
 
 
 class Worker:
@@ -55,11 +73,16 @@ class Worker:
         # Fault injection for health tests and drills: the allocation latency this worker
         # reports instead of the engine's own (None: report the engine's).
         self.forced_alloc_latency_ms: float | None = None
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.store_fault = StoreFault()  # fault injection: store statements that fail
+        self.hold = TokenHold()  # fault injection: a job held mid-generation
+        self.redis = redisconn.sync_client(settings.redis_url)
         self.ctx: WorkerContext | None = None  # set once the engine is loaded and warmed
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # jobs in flight went down
         self._in_flight = 0
         self._outcomes: dict[str, int] = {}
+        self._never = threading.Event()  # what a task left to others waits on: forever
+        self._left: set[str] = set()  # ids of the jobs left to other workers
 
     # -- engine ----------------------------------------------------------------------
 
@@ -72,10 +95,13 @@ class Worker:
         log.info("engine loaded and warmed in %.1f s", time.monotonic() - started)
         s = self.settings
         publisher = EventPublisher(self.redis, s.namespace, s.stream_maxlen, s.stream_ttl_s)
-        self.ctx = WorkerContext(name=self.name, namespace=s.namespace, store=Store(s.db_url),
+        store = Store(s.db_url)
+        self.store_fault.install(store)
+        self.ctx = WorkerContext(name=self.name, namespace=s.namespace, store=store,
                                  redis=self.redis, publisher=publisher, host=host,
                                  lease_ttl_s=keys.lease_ttl_s(s.heartbeat_s),
-                                 max_attempts=s.max_attempts, lanes=[self.lane])
+                                 max_attempts=s.max_attempts, retry=Retrier(s.io_retry_s),
+                                 lanes=[self.lane], hold=self.hold)
         CancelListener(self.redis, s.namespace, host).start()
 
     @property
@@ -91,21 +117,94 @@ class Worker:
     # -- jobs ------------------------------------------------------------------------
 
     def run(self, body: dict[str, Any]) -> str:
-        """One generate task; returns its outcome."""
+        """One generate task; returns its outcome. Never returns once the engine died."""
         ctx = self.ctx
         if ctx is None:
             raise RuntimeError("the engine bootstep has not run: start workers with "
                                "`tidegate worker`")
+        job_id = str(body.get("job_id"))
+        if self.phase is Phase.FAILED:  # taken before Celery stopped consuming: not run
+            with self._lock:
+                self._left.add(job_id)
+            self._leave_to_others()
+        outcome = "error"
         with self._lock:
             self._in_flight += 1
         try:
             outcome = run_job(ctx, body)
         finally:
-            with self._lock:
+            with self._changed:  # left to others before the retiring thread looks
                 self._in_flight -= 1
-        with self._lock:
-            self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+                self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
+                if outcome == ENGINE_DEAD:
+                    self._left.add(job_id)
+                self._changed.notify_all()
+        if outcome == ENGINE_DEAD:
+            self.engine_died()
+            self._leave_to_others()
         return outcome
+
+    def _leave_to_others(self) -> NoReturn:
+        """The task never returns, so Celery never acks its message: it stays unacked
+        while its job has no lease, which is what the recovery sweep hands back to the
+        queue (tasks/recovery.py). The process exits soon."""
+        while True:
+            self._never.wait()
+
+    def engine_died(self) -> None:
+        """Takes the worker out of rotation and restarts it (module docstring). Once."""
+        with self._lock:
+            if self.phase is Phase.FAILED:
+                return
+            self.phase = Phase.FAILED
+        log.error("worker %s: its engine died; it leaves rotation and restarts", self.name)
+        threading.Thread(target=self._retire, name="retire", daemon=True).start()
+
+    def _retire(self) -> None:
+        try:
+            self.beat()  # `failed` now, not a heartbeat period later
+        except redis.RedisError as exc:
+            log.warning("could not advertise the failed state: %s", exc)
+        stopped = self._stop_consuming()
+        quiet_at = time.monotonic() + KOMBU_BRPOP_S
+        with self._changed:  # the jobs still running end, or are left to others
+            self._changed.wait_for(lambda: self._in_flight == 0, timeout=RETIRE_WAIT_S)
+        if stopped:
+            # The consumer's last BRPOP, sent before it stopped, still takes from those
+            # queues until it returns: a message handed back before then could come back
+            # to this process as it exits, and be lost on the way.
+            time.sleep(max(0.0, quiet_at - time.monotonic()))
+            self._hand_back()
+        try:
+            self.host.stop(timeout_s=ENGINE_STOP_S)
+        except Exception:  # what is left of it dies with the process or its supervisor
+            log.exception("shutting down the dead engine failed")
+        log.warning("worker process exits to be restarted by its supervisor")
+        os._exit(RESTART_EXIT)
+
+    def _hand_back(self) -> None:
+        """The messages of the jobs left to others, back to their queues now: the sweep
+        with no grace period, for these jobs alone (every other job counts as live)."""
+        with self._lock:
+            left = set(self._left)
+        if not left:
+            return
+        try:
+            restore_orphans(self.celery_worker.app, lambda ids: set(ids) - left, 0.0)
+        except Exception:  # the other workers' sweep does it after its grace period
+            log.exception("handing back the messages of this worker's jobs failed")
+
+    def _stop_consuming(self) -> bool:
+        """Celery's consumer runs in its own thread: asked by a control command to itself.
+        True once it consumes nothing."""
+        control = self.celery_worker.app.control
+        for queue in sorted(self.consumed()):
+            try:
+                control.cancel_consumer(queue, destination=[self.name], reply=True,
+                                        timeout=CONTROL_TIMEOUT_S)
+            except Exception as exc:  # the exit stops it anyway
+                log.warning("could not stop consuming %s: %s", queue, exc)
+        return not self.consumed()
 
     def counts(self) -> tuple[int, dict[str, int]]:
         """Jobs in flight now, and deliveries so far by outcome."""
@@ -120,7 +219,7 @@ class Worker:
         return {q.name for q in getattr(task_consumer, "queues", [])}
 
     def state(self) -> WorkerState:
-        if self.phase in (Phase.STARTING, Phase.RESTARTING):
+        if self.phase in (Phase.STARTING, Phase.RESTARTING, Phase.FAILED):
             return WorkerState(self.phase.value)
         if self.phase is Phase.READY and self.pool_queue in self.consumed():
             return WorkerState.ACTIVE
@@ -133,7 +232,11 @@ class Worker:
         """The engine's figures, with the injected allocation latency if there is one."""
         if self.ctx is None:
             return None
-        stats = self.ctx.host.engine.stats()
+        try:
+            stats = self.ctx.host.engine.stats()
+        except EngineDead:  # noticed between jobs, by the heartbeat or a stats command
+            self.engine_died()
+            return None
         if self.forced_alloc_latency_ms is not None:
             stats = dataclasses.replace(
                 stats, avg_cache_allocation_latency_ms=self.forced_alloc_latency_ms)
@@ -154,6 +257,12 @@ class Worker:
             engine=self.ctx.host.engine.kind if self.ctx else "", stats=stats,
             mean_job_ms=self.ctx.mean_job_ms if self.ctx else None)
 
+    def beat(self) -> None:
+        """Advertises the worker (its heartbeat record, living a few periods)."""
+        s = self.settings
+        self.redis.set(keys.worker_heartbeat(s.namespace, self.name),
+                       self.heartbeat().to_json(), ex=keys.heartbeat_ttl_s(s.heartbeat_s))
+
 
 class Heartbeats(threading.Thread):
     """Advertises the worker and its engine stats, renews the leases of its jobs, and
@@ -169,16 +278,20 @@ class Heartbeats(threading.Thread):
                 self.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
+            except Exception:  # a bug in one beat must not end the heartbeat
+                log.exception("heartbeat failed")
             time.sleep(self.worker.settings.heartbeat_s)
 
     def beat(self) -> None:
         w, s = self.worker, self.worker.settings
         ttl = keys.heartbeat_ttl_s(s.heartbeat_s)
-        w.redis.set(keys.worker_heartbeat(s.namespace, w.name), w.heartbeat().to_json(), ex=ttl)
+        w.beat()
         if w.ctx is None:
             return
         for lease in w.ctx.held_leases():
             lease.renew()
+        if w.phase is Phase.FAILED:  # the sweep would hand its own jobs back to it
+            return
         period = int(time.time() / s.heartbeat_s)
         if w.redis.set(keys.scheduler_lock(s.namespace, "recover", period), w.name, nx=True,
                        ex=ttl):

@@ -14,17 +14,25 @@ import redis
 from store import Store
 from tests.conftest import REDIS_PORT
 from tests.helpers import Stack, make_tenant
-from tidegate_tools.procs import start_redis
+from tidegate_tools.procs import Proc, start_redis
 from tidegate_tools.stack import WorkerSpec, running_stack
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_root: Path) -> Iterator[str]:
-    proc = start_redis(REDIS_PORT, tmp_root / "logs")
+def redis_procs(tmp_root: Path) -> Iterator[list[Proc]]:
+    """The session's redis-server. A test that restarts it on its port appends the new
+    process (tests/stack/test_reconcile.py); all are stopped after the stack's."""
+    procs = [start_redis(REDIS_PORT, tmp_root / "logs")]
     try:
-        yield os.environ["TIDEGATE_REDIS_URL"]
+        yield procs
     finally:
-        proc.stop()
+        for proc in reversed(procs):
+            proc.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_procs: list[Proc]) -> str:
+    return os.environ["TIDEGATE_REDIS_URL"]
 
 
 @pytest.fixture(scope="session")

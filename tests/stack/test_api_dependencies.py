@@ -5,6 +5,7 @@ answers 503 naming it while `/healthz` stays 200; a submit the broker cannot tak
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.app import create_app
+from api.errors import ApiError
 from store import Store, upgrade
 from tasks.app import make_app, queue_lengths
 from tidegate import keys
@@ -51,8 +53,12 @@ def dead_database() -> str:
     return f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/test"
 
 
-def down(settings: Settings, dependency: str) -> Settings:
+def down(settings: Settings, dependency: str, tmp_root: Path | None = None) -> Settings:
     """The settings with one dependency pointed at nothing, or its only worker in standby."""
+    if dependency == "tokenizer":  # a model folder with no tokenizer in it
+        assert tmp_root is not None
+        (tmp_root / "no-model").mkdir(exist_ok=True)
+        return settings.model_copy(update={"model": str(tmp_root / "no-model")})
     if dependency == "redis":
         return settings.model_copy(update={"redis_url": dead_redis()})
     if dependency == "database":
@@ -65,15 +71,18 @@ def down(settings: Settings, dependency: str) -> Settings:
     ("redis", {"redis", "workers"}),  # no Redis: no heartbeat to read either
     ("database", {"database"}),
     ("workers", {"workers"}),
+    ("tokenizer", {"tokenizer"}),
 ])
 def test_readyz_is_503_naming_the_dependency_down_and_healthz_stays_up(
-        settings: Settings, dependency: str, failing: set[str]) -> None:
+        settings: Settings, dependency: str, failing: set[str], tmp_root: Path) -> None:
     advertise(settings, "active")
     with TestClient(create_app(settings)) as http:  # the control: everything up
+        loaded(http)
         ready = http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["ready"] is True
         assert ready.json()["checks"]["workers"]["active"] == [WORKER]
-    with TestClient(create_app(down(settings, dependency))) as http:
+    with TestClient(create_app(down(settings, dependency, tmp_root))) as http:
+        loaded(http)
         resp = http.get("/readyz")
         assert resp.status_code == 503, resp.text
         body = resp.json()
@@ -81,6 +90,28 @@ def test_readyz_is_503_naming_the_dependency_down_and_healthz_stays_up(
         assert {name for name, check in body["checks"].items() if not check["ok"]} == failing
         health = http.get("/healthz")
         assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def loaded(http: TestClient) -> None:
+    """Waits for the API's tokenizer, which loads on a thread of its own (api/prompts.py)."""
+    with contextlib.suppress(ApiError):  # one that failed to load is a case of the test
+        http.app.state.deps.prompts.tokenizer  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_a_submit_without_a_tokenizer_is_503_naming_it_and_enqueues_nothing(
+        settings: Settings, tmp_root: Path) -> None:
+    store = Store(settings.db_url)
+    _, key = store.create_tenant("deps-tokenizer", ["chat"])
+    advertise(settings, "active")
+    jobs = store.count_jobs()
+    with TestClient(create_app(down(settings, "tokenizer", tmp_root))) as http:
+        resp = http.post("/v1/jobs", json=OK, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 503, resp.text
+    assert int(resp.headers["Retry-After"]) > 0
+    assert "tokenizer failed to load" in resp.json()["error"]["message"]
+    assert store.count_jobs() == jobs
+    queues = queue_lengths(redis.Redis.from_url(settings.redis_url), ["chat.vllm"])
+    assert queues == {"chat.vllm": 0}
 
 
 def test_a_submit_the_broker_refuses_is_503_and_leaves_no_row(settings: Settings) -> None:

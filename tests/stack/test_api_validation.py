@@ -98,6 +98,18 @@ CASES = [
     ("unknown field", {**OK, "colour": "blue"}, None, 422, "colour"),
     ("body over the size limit", None, json.dumps({**OK, "pad": "x" * 70_000}).encode(), 413,
      "body"),
+    # Text no field may hold (issue 10, finding 11): NUL, which PostgreSQL refuses, and a
+    # lone surrogate, which cannot be encoded to UTF-8.
+    ("NUL in a message", {**OK, "messages": [{"role": "user", "content": "refund\u0000"}]},
+     None, 400, "messages.0.content"),
+    ("lone surrogate in the prompt", None,
+     b'{"lane": "chat", "prompt": "refund \\ud800", "max_tokens": 8}', 400, "prompt"),
+    ("NUL in session_id", {**OK, "session_id": "chat\u0000"}, None, 400, "session_id"),
+    ("lone surrogate in a field name", None,
+     b'{"lane": "chat", "\\udc00": 1, "prompt": "refund", "max_tokens": 8}', 400,
+     "\\udc00"),
+    ("arrays nested too deeply", None,
+     b'{"lane": "chat", "pad": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "body"),
 ]
 
 
@@ -125,6 +137,27 @@ def test_prompt_longer_than_the_model_context(api) -> None:  # type: ignore[no-u
     assert resp.json()["error"]["field"] == "messages"
     assert "context" in resp.json()["error"]["message"]
     assert nothing_enqueued(store, client)
+
+
+@pytest.mark.parametrize(("header", "value"), [
+    ("Idempotency-Key", b"k" * 256),  # the store's column holds 255
+    ("Idempotency-Key", b"order 1"),
+    ("Idempotency-Key", "ordre-n\xb01".encode("latin-1")),
+    ("Authorization", b"Bearer " + b"k" * 1100),
+    ("Authorization", b"Bearer tg_\x7f"),
+])
+def test_a_header_of_the_wrong_shape_is_400_naming_it(api, header, value) -> None:  # type: ignore[no-untyped-def]
+    http, store, client, key = api
+    field = header.lower()
+    counted = rejected(http, field)
+    headers = {"Authorization": f"Bearer {key}", header: value}
+    resp = http.post("/v1/jobs", json=OK, headers=headers)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["field"] == field and field in error["message"]
+    assert error["type"] == "invalid_request"
+    assert nothing_enqueued(store, client)
+    assert rejected(http, field) == counted + 1
 
 
 @pytest.mark.parametrize("header", [None, "Bearer tg_wrong", "Basic abc", "Bearer "])
@@ -352,6 +385,19 @@ def test_delete_of_a_queued_job_ends_it_cancelled_for_its_consumer(api) -> None:
         assert job is not None and job.status == "cancelled" and job.started_at is None
         # No worker ever ran it: its consumer still hears the end.
         (done,) = sse_events(http, key, job_id)
+        assert done["kind"] == "done" and done["data"]["finish_reason"] == "cancelled"
+
+
+def test_a_second_delete_answers_with_the_cancelled_job(api) -> None:  # type: ignore[no-untyped-def]
+    """DELETE is idempotent (issue 10, finding 7): the second writes no second end event
+    (Redis refuses its id) and answers 200 with the job, as the first did."""
+    http, store, client, key = api
+    job_id = post(http, key, OK).json()["job_id"]
+    with cleaned_up(store, client, job_id):
+        answers = [http.delete(f"/v1/jobs/{job_id}", headers=auth(key)) for _ in range(2)]
+        assert [r.status_code for r in answers] == [200, 200], answers[1].text
+        assert answers[1].json()["status"] == "cancelled" and answers[1].json()["id"] == job_id
+        (done,) = sse_events(http, key, job_id)  # one end event, as after one DELETE
         assert done["kind"] == "done" and done["data"]["finish_reason"] == "cancelled"
 
 

@@ -3,9 +3,10 @@
 Each adapter is started once for the module (engine start dominates the run time) and
 driven the way workers drive it, through an EngineHost. vLLM always runs (the CPU build
 here, the CUDA build on a GPU machine); TensorRT-LLM runs where `tensorrt_llm` imports
-and a CUDA GPU is visible, which scripts/gpu_check.py arranges.
+and a CUDA GPU is visible, which scripts/gpu_check.py arranges. The simulated engine
+(workers/sim_engine.py, its `fast` profile) runs anywhere, in seconds.
 
-TIDEGATE_CONTRACT_ENGINES (comma list, default "vllm,trtllm") picks the adapters to try.
+TIDEGATE_CONTRACT_ENGINES (comma list, default "vllm,trtllm,sim") picks the adapters to try.
 It is a test knob, not a product setting.
 """
 
@@ -26,8 +27,8 @@ from workers.engine import Delta, Engine, EngineConfig, EngineError, EngineReque
 from workers.host import Cancelled, EngineHost
 from workers.vllm_engine import cpu_fp8_kv_supported
 
-KINDS = ("vllm", "trtllm")
-SELECTED = [k.strip() for k in os.environ.get("TIDEGATE_CONTRACT_ENGINES", "vllm,trtllm")
+KINDS = ("vllm", "trtllm", "sim")
+SELECTED = [k.strip() for k in os.environ.get("TIDEGATE_CONTRACT_ENGINES", "vllm,trtllm,sim")
             .split(",") if k.strip()]
 if unknown := sorted(set(SELECTED) - set(KINDS)):
     raise pytest.UsageError(f"TIDEGATE_CONTRACT_ENGINES names unknown engines {unknown}; "
@@ -70,9 +71,17 @@ def _engine_params() -> list[Any]:
     return params
 
 
+# 1 ms a step: real pacing, so a cancel lands mid-stream, yet the suite takes seconds.
+SIM_PROFILE = "fast"
+
+
 def make_engine(kind: str, model: Path) -> Engine:
     config = EngineConfig(model=str(model), dtype="float16", kv_cache_dtype=KV_CACHE_DTYPE,
                           max_model_len=MAX_MODEL_LEN, slots=16, kv_cache_gib=1)
+    if kind == "sim":
+        from workers.sim_engine import SimEngine
+
+        return SimEngine(config, profile=SIM_PROFILE)
     if kind == "trtllm":
         from workers.trtllm_engine import TrtllmEngine
 
@@ -239,7 +248,9 @@ def test_concurrent_requests_are_batched(host: EngineHost) -> None:
 def test_precision_is_reported_as_configured(host: EngineHost) -> None:
     stats = host.engine.stats()
     assert stats.kind == host.engine.kind
-    assert stats.kv_cache_dtype == EXPECTED_KV
+    # The simulator has no CPU kernels to fall back from: it runs what it is configured with.
+    expected = KV_CACHE_DTYPE if host.engine.kind == "sim" else EXPECTED_KV
+    assert stats.kv_cache_dtype == expected
     assert stats.kv_capacity_tokens > 0
 
 

@@ -1,0 +1,253 @@
+"""Redis clients from `TIDEGATE_REDIS_URL`: one server, or a master watched by Sentinel.
+
+Every process builds its Redis clients and its Celery broker here, from the one URL, so the
+broker, the token streams, the leases, the heartbeats and pub/sub always reach the same
+master. Two forms:
+
+    redis://[[user]:password@]host[:port][/db]     one server, read by redis-py's from_url
+    (also rediss:// and unix://)
+
+    sentinel://[[user]:password@]host[:port][;host[:port]...][/db]?master=NAME
+        [&sentinel_password=SECRET]
+
+The Sentinel form lists the sentinels to ask (`;` or `,` between them, port 26379 when
+left out), the name they monitor the master under (`sentinel monitor NAME ...`), and the
+DB on that master. Credentials before `@` are the master's (and its replicas'), as
+`masterauth` has them; `sentinel_password` is the sentinels' own `requirepass`, if any.
+TLS to a Sentinel-managed master is not supported.
+
+How a failover is survived:
+- redis-py's Sentinel-managed pools ask a sentinel for the master's address on every new
+  connection; a connection that reaches a demoted master gets READONLY, which redis-py
+  turns into a reconnect. A command in flight when the master dies fails with a
+  ConnectionError and is retried (FAILOVER_RETRIES) on a connection to whatever master
+  the sentinels name by then: refused, with backoff, until they have promoted a replica.
+  `_FailoverConnection` makes that reconnect ask the sentinels (redis-py's does not).
+- Celery's broker uses kombu's Sentinel transport, which builds the same pools:
+  kombu wants `sentinel://h:p;sentinel://h:p` and the master's name in
+  `broker_transport_options["master_name"]` (kombu/transport/redis.py, SentinelChannel);
+  `celery_broker` writes both. Celery reconnects its consumer after a lost connection
+  (tasks/broker.py keeps that from killing a worker).
+- Replication is asynchronous: writes acknowledged by the old master in its last
+  milliseconds can be missing on the new one. The store is the truth; what Redis lost is
+  rebuilt from it (the reconciler), never assumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, quote, unquote
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
+from redis.backoff import ExponentialBackoff
+from redis.connection import parse_url
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+PLAIN_SCHEMES = ("redis://", "rediss://", "unix://")
+SENTINEL_SCHEME = "sentinel://"
+SENTINEL_PORT = 26379
+SENTINEL_FORM = "sentinel://[[user]:password@]host[:port][;host[:port]...][/db]?master=NAME"
+QUERY_KEYS = ("master", "sentinel_password")
+# How long a command on a Sentinel-managed client keeps trying while there is no master:
+# sleeps of 0.1, 0.2, 0.4, 0.8, then 1 s, 15 retries, about 12.5 s. A failover takes the
+# sentinels' down-after-milliseconds plus a second or two (5 s is a common setting). Past
+# that the command raises ConnectionError (the API answers 503). redis-py's from_url
+# clients retry nothing by default; plain URLs keep that.
+FAILOVER_BACKOFF = ExponentialBackoff(cap=1.0, base=0.05)
+FAILOVER_RETRIES = 15
+
+
+@dataclass(frozen=True)
+class SentinelTarget:
+    """A Sentinel URL, parsed."""
+
+    sentinels: tuple[tuple[str, int], ...]  # (host, port) of each sentinel, in URL order
+    master: str  # the name the sentinels monitor the master under
+    db: int = 0  # the DB number on the master
+    username: str | None = field(default=None, repr=False)  # the master's ACL user
+    password: str | None = field(default=None, repr=False)  # the master's password
+    sentinel_password: str | None = field(default=None, repr=False)  # the sentinels' own
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME)
+
+
+def validate(url: str) -> str:
+    """`url` if either form reads it; ValueError naming what is wrong otherwise."""
+    if is_sentinel(url):
+        parse_sentinel(url)
+        return url
+    if not url.startswith(PLAIN_SCHEMES):
+        raise ValueError(f"must start with redis://, rediss://, unix:// or {SENTINEL_SCHEME} "
+                         f"(Sentinel: {SENTINEL_FORM})")
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"not a Redis URL ({exc})") from None
+    return url
+
+
+def parse_sentinel(url: str) -> SentinelTarget:
+    """A `sentinel://` URL's parts; ValueError naming the part at fault, with the form."""
+    rest = url.removeprefix(SENTINEL_SCHEME)
+    rest, _, query = rest.partition("?")
+    netloc, _, path = rest.partition("/")
+    userinfo, _, hosts = netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    params = _query(query)
+    if not params.get("master"):
+        raise ValueError(f"names no master (?master=NAME); the form is {SENTINEL_FORM}")
+    return SentinelTarget(
+        sentinels=_hosts(hosts), master=params["master"], db=_db(path),
+        username=unquote(username) or None, password=unquote(password) or None,
+        sentinel_password=params.get("sentinel_password") or None)
+
+
+def _query(query: str) -> dict[str, str]:
+    params = parse_qs(query, keep_blank_values=True)
+    unknown = sorted(set(params) - set(QUERY_KEYS))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(QUERY_KEYS)}")
+    return {name: values[-1] for name, values in params.items()}
+
+
+def _hosts(hosts: str) -> tuple[tuple[str, int], ...]:
+    items = [item.strip() for item in hosts.replace(",", ";").split(";")]
+    if not any(items):
+        raise ValueError(f"names no sentinel host; the form is {SENTINEL_FORM}")
+    return tuple(_host_port(item) for item in items if item)
+
+
+def _host_port(item: str) -> tuple[str, int]:
+    if item.startswith("["):  # an IPv6 address: [::1]:26379
+        host, _, port = item[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = item.partition(":")
+    if not host or (port and not port.isdigit()) or not 0 < int(port or SENTINEL_PORT) < 65536:
+        raise ValueError(f"sentinel {item!r} is not host[:port]")
+    return host, int(port or SENTINEL_PORT)
+
+
+def _db(path: str) -> int:
+    if not path:
+        return 0
+    if not path.isdigit():
+        raise ValueError(f"database {path!r} is not a number")
+    return int(path)
+
+
+def _sentinel_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """How to talk to the sentinels themselves: the client's socket options (as redis-py
+    does when not told otherwise) and their own password."""
+    out = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    if target.sentinel_password:
+        out["password"] = target.sentinel_password
+    return out
+
+
+def _master_kwargs(target: SentinelTarget) -> dict[str, Any]:
+    return {"db": target.db, "username": target.username, "password": target.password}
+
+
+class _FailoverConnection(SentinelManagedConnection):
+    """Asks the sentinels for the master on every reconnect. redis-py (7.x) reconnects a
+    dropped connection inside a command's retry to the address it had, the dead master,
+    until the retries run out (redis/redis-py#3874); only a connection taken fresh from the
+    pool asked the sentinels. Here both do, one lookup per attempt: the command's own retry
+    paces the attempts (a nested retry would multiply the wait)."""
+
+    def connect_check_health(self, check_health: bool = True,
+                             retry_socket_connect: bool = True) -> None:
+        # connect_to() (after the lookup) passes retry_socket_connect=False; a reconnect
+        # from send_command passes True: look the master up first.
+        if retry_socket_connect and self.connection_pool.is_master:
+            self.connect_to(self.connection_pool.get_master_address())
+            return
+        super().connect_check_health(check_health=check_health,
+                                     retry_socket_connect=retry_socket_connect)
+
+
+class _AsyncFailoverConnection(AsyncSentinelConnection):
+    """_FailoverConnection for asyncio clients."""
+
+    async def connect_check_health(self, check_health: bool = True,
+                                   retry_socket_connect: bool = True) -> None:
+        if retry_socket_connect and self.connection_pool.is_master:
+            await self.connect_to(await self.connection_pool.get_master_address())
+            return
+        await super().connect_check_health(check_health=check_health,
+                                           retry_socket_connect=retry_socket_connect)
+
+
+def sync_client(url: str, **kwargs: Any) -> redis.Redis:
+    """A client of the master. kwargs: redis-py's connection options."""
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **kwargs)
+    target = parse_sentinel(url)
+    kwargs.setdefault("retry", Retry(FAILOVER_BACKOFF, FAILOVER_RETRIES))
+    sentinel = Sentinel(list(target.sentinels),
+                        sentinel_kwargs=_sentinel_kwargs(target, kwargs), **kwargs)
+    return sentinel.master_for(target.master, connection_class=_FailoverConnection,
+                               **_master_kwargs(target))
+
+
+class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
+    """Sentinel's master lookup (its connection class and ownership check) with the
+    blocking pool's bounded wait for a free connection."""
+
+
+def async_client(url: str, *, max_connections: int | None = None,
+                 pool_timeout_s: float | None = None, **kwargs: Any) -> aioredis.Redis:
+    """An asyncio client of the master, on a pool of at most `max_connections` (None: no
+    bound). With `pool_timeout_s`, a command waits that long for a free connection, then
+    fails with ConnectionError; without, a full pool fails at once."""
+    blocking = pool_timeout_s is not None
+    pool_kwargs: dict[str, Any] = {"max_connections": max_connections}
+    if blocking:
+        pool_kwargs = {"max_connections": max_connections or 50, "timeout": pool_timeout_s}
+    if not is_sentinel(url):
+        if blocking:
+            pool = aioredis.BlockingConnectionPool.from_url(url, **pool_kwargs, **kwargs)
+            return aioredis.Redis.from_pool(pool)
+        return aioredis.Redis.from_url(url, **pool_kwargs, **kwargs)
+    target = parse_sentinel(url)
+    kwargs.setdefault("retry", AsyncRetry(FAILOVER_BACKOFF, FAILOVER_RETRIES))
+    sentinel = AsyncSentinel(list(target.sentinels),
+                             sentinel_kwargs=_sentinel_kwargs(target, kwargs), **kwargs)
+    pool_class = _BlockingSentinelPool if blocking else AsyncSentinelPool
+    return sentinel.master_for(target.master, redis_class=aioredis.Redis,
+                               connection_pool_class=pool_class,
+                               connection_class=_AsyncFailoverConnection,
+                               **_master_kwargs(target), **pool_kwargs)
+
+
+def celery_broker(url: str) -> tuple[str, dict[str, Any]]:
+    """The broker URL Celery (kombu) reads, and the transport options it needs on top of
+    the app's own: for Sentinel, kombu's `sentinel://h:p/db;sentinel://...` form and the
+    master's name."""
+    if not is_sentinel(url):
+        return url, {}
+    target = parse_sentinel(url)
+    auth = ""
+    if target.username or target.password:
+        auth = f"{quote(target.username or '', safe='')}:{quote(target.password or '', safe='')}@"
+    broker = ";".join(f"sentinel://{auth}{_netloc(host, port)}/{target.db}"
+                      for host, port in target.sentinels)
+    options: dict[str, Any] = {"master_name": target.master}
+    if target.sentinel_password:
+        options["sentinel_kwargs"] = {"password": target.sentinel_password}
+    return broker, options
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,90 @@
+"""Fault injection for tests and drills, armed by control commands
+(workers/celery_hooks.py): store statements that fail, and a job held mid-generation.
+Unarmed, each costs an attribute test or two on its path."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import event
+
+from store import Store
+
+
+class StoreFault:
+    """Fault injection for tests and drills: the worker's store statements fail as those
+    of an unreachable database do (the driver's OperationalError, raised before the
+    statement runs), either the next `failures` of them, or all of them for `outage_s`
+    seconds counted from the first one that runs after arming."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._outage_s = 0.0
+        self._until: float | None = None
+        self.fired = 0  # statements failed so far
+
+    def arm(self, failures: int = 0, outage_s: float = 0.0) -> None:
+        with self._lock:
+            self._failures, self._outage_s, self._until = failures, outage_s, None
+
+    def install(self, store: Store) -> None:
+        event.listen(store.engine, "before_cursor_execute", self._before_execute)
+
+    def _fails_now(self) -> bool:
+        with self._lock:
+            if self._outage_s and self._until is None:
+                self._until = time.monotonic() + self._outage_s
+            if self._until is not None and time.monotonic() < self._until:
+                self.fired += 1
+                return True
+            if self._failures > 0:
+                self._failures -= 1
+                self.fired += 1
+                return True
+            return False
+
+    def _before_execute(self, conn: Any, *_: Any) -> None:
+        # Unarmed, a statement costs two attribute tests.
+        if (self._outage_s or self._failures) and self._fails_now():
+            raise conn.dialect.loaded_dbapi.OperationalError(
+                "tidegate fault injection: the store is unreachable")
+
+
+class TokenHold:
+    """The next job to stream `after_tokens` tokens waits there, before its next token is
+    read from the engine, until released (or for MAX_HOLD_S): a fault is then applied to a
+    job known to be mid-generation, however fast the engine and however loaded the host.
+    Its lease is renewed meanwhile, as for any running job; the engine runs on."""
+
+    MAX_HOLD_S = 120.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._after = 0
+        self._released = threading.Event()
+        self.held: str | None = None  # the job held (or let go), since the last arming
+
+    def arm(self, after_tokens: int) -> None:
+        with self._lock:
+            self._after, self.held = after_tokens, None
+            self._released.clear()
+
+    def release(self) -> None:
+        with self._lock:
+            self._after = 0
+        self._released.set()
+
+    def check(self, job_id: str, tokens: int) -> None:
+        """Called by the task thread after each token event it published."""
+        if not self._after or tokens < self._after:
+            return
+        with self._lock:
+            if not self._after or self.held is not None:
+                return
+            self.held = job_id
+        self._released.wait(self.MAX_HOLD_S)
+        with self._lock:
+            self._after = 0  # one job per arming
