@@ -21,7 +21,7 @@ stored output. Recovery of a job = the longest wait for its next token that the 
 caused (`recoveries`), for the jobs that were streaming when it hit (on the faulted
 worker, for worker and engine faults).
 
-    .venv/bin/python bench/chaos.py [--jobs 200]
+    .venv/bin/python bench/chaos.py [--jobs 200] [--faults api,worker]
 
 Writes bench/results/chaos.{md,png,json}; the last stdout line is the JSON summary.
 Needs PostgreSQL's server binaries (Debian's postgresql package, /usr/lib/postgresql).
@@ -388,20 +388,25 @@ class Fault:
     took_s: float = 0.0  # how long applying it took (a restart's start included)
 
 
-async def apply_faults(stack: Stack, faults: list[Fault], t0: float,
+FAULTS: dict[str, tuple[str, Callable[[Stack], str]]] = {
+    "worker": ("worker SIGKILL", lambda stack: fault_worker(stack)),
+    "redis": ("Redis restart, empty", lambda stack: fault_redis(stack)),
+    "api": ("API SIGKILL + restart", lambda stack: fault_api(stack)),
+    "pg": ("PostgreSQL restart", lambda stack: pg_restart(stack)),
+    "engine": ("engine death", lambda stack: fault_engine(stack)),
+}
+PLAN = ("worker", "redis", "api", "pg", "worker", "engine")  # the six, in order
+
+
+async def apply_faults(stack: Stack, faults: list[Fault], t0: float, plan: list[str],
                        burst: Callable[[], Awaitable[None]]) -> None:
-    plan = [("worker SIGKILL", lambda: fault_worker(stack)),
-            ("Redis restart, empty", lambda: fault_redis(stack)),
-            ("API SIGKILL + restart", lambda: fault_api(stack)),
-            ("PostgreSQL restart", lambda: pg_restart(stack)),
-            ("worker SIGKILL", lambda: fault_worker(stack)),
-            ("engine death", lambda: fault_engine(stack))]
-    for name, apply in plan:
+    for key in plan:
+        name, apply_to = FAULTS[key]
         await asyncio.sleep(FAULT_GAP_S)
         await wait_whole(stack)
         await burst()  # long jobs streaming on both workers when the fault hits
         at = time.monotonic()
-        target = await asyncio.to_thread(apply)
+        target = await asyncio.to_thread(apply_to, stack)
         faults.append(Fault(name, at, target, time.monotonic() - at))
         log(f"fault at {at - t0:6.1f} s: {name} {target}".rstrip())
 
@@ -423,7 +428,8 @@ async def wait_whole(stack: Stack) -> None:
         await asyncio.sleep(0.5)
 
 
-async def run_load(stack: Stack, min_jobs: int) -> tuple[list[Job], list[Fault], float]:
+async def run_load(stack: Stack, min_jobs: int,
+                   plan: list[str]) -> tuple[list[Job], list[Fault], float]:
     # SIGTERM/SIGINT cancel the load, so the stack's `finally` stops every process (a
     # SystemExit raised by a plain signal handler does not get out of the event loop).
     main_task, loop = asyncio.current_task(), asyncio.get_running_loop()
@@ -449,7 +455,7 @@ async def run_load(stack: Stack, min_jobs: int) -> tuple[list[Job], list[Fault],
                 start(BURST_MAX_TOKENS)
             await asyncio.sleep(BURST_LEAD_S)
 
-        fault_task = asyncio.create_task(apply_faults(stack, faults, t0, burst))
+        fault_task = asyncio.create_task(apply_faults(stack, faults, t0, plan, burst))
         while not fault_task.done() or len(jobs) < min_jobs:
             start(MAX_TOKENS)
             await asyncio.sleep(SUBMIT_EVERY_S)
@@ -605,7 +611,7 @@ def plot(path: Path, jobs: list[Job], faults: list[Fault], t0: float) -> None:
                 fontsize=8, color="tab:red")
     ax.set_xlabel("seconds since the load started")
     ax.set_ylabel("token events / s")
-    ax.set_title("chaos: token flow through six faults")
+    ax.set_title(f"chaos: token flow through {len(faults)} faults")
     ax.legend(loc="lower right")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -646,7 +652,14 @@ def chaos_stack(tmp: Path, pg: PgCluster) -> Iterator[Stack]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=200, help="at least this many jobs")
+    parser.add_argument("--faults", default=",".join(PLAN),
+                        help="faults to apply, in order, from: " + ", ".join(FAULTS)
+                        + "; a run other than the default writes chaos-<faults>.*")
     args = parser.parse_args()
+    plan = [key.strip() for key in args.faults.split(",") if key.strip()]
+    if unknown := [key for key in plan if key not in FAULTS]:
+        parser.error(f"--faults: unknown {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    stem = "chaos" if tuple(plan) == PLAN else "chaos-" + "-".join(plan)
     exit_cleanly_on_signals()
     tmp = Path(tempfile.mkdtemp(prefix="tidegate-chaos-"))
     log(f"chaos: logs in {tmp / 'logs'}; model {MODEL}")
@@ -656,7 +669,7 @@ def main() -> int:
     try:
         with chaos_stack(tmp, pg) as stack:
             log("stack whole; load and faults start")
-            jobs, faults, t0 = asyncio.run(run_load(stack, args.jobs))
+            jobs, faults, t0 = asyncio.run(run_load(stack, args.jobs, plan))
             died = [p.name for p in stack.procs() if not p.alive()]
             wall_minus_mono = time.time() - time.monotonic()
             slowest = [slowest_recovery(stack.client(), stack.env["TIDEGATE_NAMESPACE"], jobs,
@@ -669,13 +682,13 @@ def main() -> int:
     for entry, fault, detail in zip(fig["faults"], faults, slowest, strict=True):
         entry["applied_in_s"] = round(fault.took_s, 2)  # a restart's start included
         entry["slowest"] = detail
-    report(fig, jobs, faults, t0, tmp)
+    report(fig, jobs, faults, t0, tmp, stem)
     return 0 if fig["lost"] == fig["duplicates"] == fig["gaps"] == fig["text_mismatches"] == 0 \
         else 1
 
 
 def report(fig: dict[str, Any], jobs: list[Job], faults: list[Fault], t0: float,
-           tmp: Path) -> None:
+           tmp: Path, stem: str) -> None:
     setup = {**machine(), "lane": LANE, "workers": ", ".join(WORKERS),
              "max_tokens": MAX_TOKENS, "arrivals": f"one job every {SUBMIT_EVERY_S} s",
              "store": "PostgreSQL (a private cluster)", "logs": str(tmp / "logs")}
@@ -688,10 +701,10 @@ def report(fig: dict[str, Any], jobs: list[Job], faults: list[Fault], t0: float,
     notes += [f"{job.job_id} on {job.worker}: text differs from the store ({len(job.text)} "
               f"characters received, {job.completion_tokens} tokens)"
               for job in jobs if job.job_id in fig.get("mismatched", [])]
-    write_report(RESULTS / "chaos.md", "Chaos: six faults under a streaming load",
+    write_report(RESULTS / f"{stem}.md", f"Chaos: {len(faults)} faults under a streaming load",
                  table(fig, faults, t0), setup, notes)
-    plot(RESULTS / "chaos.png", jobs, faults, t0)
-    write_json(RESULTS / "chaos.json", {**fig, "setup": setup})
+    plot(RESULTS / f"{stem}.png", jobs, faults, t0)
+    write_json(RESULTS / f"{stem}.json", {**fig, "setup": setup})
     print(table(fig, faults, t0))
     print_json_last({k: v for k, v in fig.items() if k not in ("faults", "mismatched")})
 

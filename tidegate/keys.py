@@ -55,17 +55,21 @@ PRIORITY_STEPS = tuple(range(10))  # kombu's sub-lists: name all ten, the defaul
 PRIORITY_SEP = "|"
 
 
-LEASE_MIN_TTL_S = 10  # a worker starved of CPU for seconds (2 cores) keeps its leases
+# A worker starved of CPU for seconds keeps its heartbeat and its leases: on 2 shared cores
+# every worker's heartbeat thread was measured missing 4-6 s of beats at once.
+LEASE_MIN_TTL_S = 10
 
 
 def heartbeat_ttl_s(heartbeat_s: float) -> int:
-    return int(heartbeat_s * HEARTBEAT_PERIODS) + 1
+    """How long a worker's record outlives its last beat: a crashed worker leaves the fleet
+    after this (a cleanly stopped one at once: it removes its record)."""
+    return max(LEASE_MIN_TTL_S, int(heartbeat_s * HEARTBEAT_PERIODS) + 1)
 
 
 def lease_ttl_s(heartbeat_s: float) -> int:
     """A job's lease outlives a few missed beats of its worker, and is gone within seconds
     of its worker's death: the time a crashed worker's jobs wait before they resume."""
-    return max(LEASE_MIN_TTL_S, heartbeat_ttl_s(heartbeat_s))
+    return heartbeat_ttl_s(heartbeat_s)
 
 
 def pool_queue(lane_queue: str, pool: str) -> str:

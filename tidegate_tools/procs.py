@@ -33,7 +33,8 @@ class Proc:
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name, self.log_path = name, log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        # Appended: a process restarted under the same name keeps its predecessor's log.
+        self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                       start_new_session=True)
 

@@ -34,6 +34,7 @@ import redis
 from store import Store
 from tasks.recovery import restore_orphans
 from tidegate import keys, redisconn
+from tidegate.fleet import read_heartbeat
 from tidegate.lanes import pool_queue
 from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
 from tidegate.settings import Settings
@@ -69,6 +70,7 @@ class Worker:
         self.pool_queue = pool_queue(settings.lanes[lane], pool)
         self.direct_queue = keys.direct_queue(settings.namespace, name)
         self.boot = uuid.uuid4().hex  # tells a restarted process (same name) from the old
+        self.stopped = False
         self.phase = Phase.STARTING
         # Fault injection for health tests and drills: the allocation latency this worker
         # reports instead of the engine's own (None: report the engine's).
@@ -111,8 +113,21 @@ class Worker:
         return self.ctx.host
 
     def stop(self) -> None:
+        self.stopped = True  # the heartbeat thread writes no record after the one removed
         if self.ctx is not None:
             self.ctx.host.stop()
+        self.forget()
+
+    def forget(self) -> None:
+        """A clean stop leaves the fleet at once, not when its record expires (a process
+        of the same name that already replaced it keeps its own)."""
+        key = keys.worker_heartbeat(self.settings.namespace, self.name)
+        try:
+            hb = read_heartbeat(self.redis, self.settings.namespace, self.name)
+            if hb is not None and hb.boot == self.boot:
+                self.redis.delete(key)
+        except redis.RedisError as exc:
+            log.warning("could not remove the heartbeat at stop: %s", exc)
 
     # -- jobs ------------------------------------------------------------------------
 
@@ -260,6 +275,8 @@ class Worker:
     def beat(self) -> None:
         """Advertises the worker (its heartbeat record, living a few periods)."""
         s = self.settings
+        if self.stopped:
+            return
         self.redis.set(keys.worker_heartbeat(s.namespace, self.name),
                        self.heartbeat().to_json(), ex=keys.heartbeat_ttl_s(s.heartbeat_s))
 
@@ -273,14 +290,23 @@ class Heartbeats(threading.Thread):
         self.worker = worker
 
     def run(self) -> None:
+        period = self.worker.settings.heartbeat_s
+        close_s = keys.heartbeat_ttl_s(period) / 2
+        last = time.monotonic()
         while True:
+            started = time.monotonic()
             try:
                 self.beat()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             except Exception:  # a bug in one beat must not end the heartbeat
                 log.exception("heartbeat failed")
-            time.sleep(self.worker.settings.heartbeat_s)
+            now = time.monotonic()
+            if now - last > close_s:  # the record came close to expiring: say why
+                log.warning("heartbeat late: %.1f s since the last one (this beat took %.1f s, "
+                            "the period is %.1f s)", now - last, now - started, period)
+            last = now
+            time.sleep(period)
 
     def beat(self) -> None:
         w, s = self.worker, self.worker.settings
