@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import threading
+import time
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -33,12 +36,49 @@ def bearer_key(request: Request) -> str:
     return key.strip()
 
 
+# A key found valid is trusted this long without a store lookup: every request began with
+# one, and after an API restart hundreds of reconnecting streams queued behind them. The
+# cost: a revoked key keeps working this long on a process that had just used it.
+KEY_CACHE_S = 5.0
+KEY_CACHE_MAX = 10_000
+
+
+class _KnownKeys:
+    """Valid keys seen lately (by digest, never the key itself), with when they were seen.
+    Unknown keys are never cached: each is a lookup, as before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, Tenant]] = {}
+
+    def get(self, digest: str) -> Tenant | None:
+        with self._lock:
+            hit = self._seen.get(digest)
+        if hit is None or time.monotonic() - hit[0] > KEY_CACHE_S:
+            return None
+        return hit[1]
+
+    def put(self, digest: str, tenant: Tenant) -> None:
+        with self._lock:
+            if len(self._seen) >= KEY_CACHE_MAX:
+                self._seen.clear()  # rare (that many keys in 5 s): start over, stay bounded
+            self._seen[digest] = (time.monotonic(), tenant)
+
+
+_known = _KnownKeys()
+
+
 def tenant_for_key(store: Store, key: str) -> Tenant:
-    """The tenant holding `key` (blocking: a store lookup); 401 for an unknown or revoked
-    key."""
+    """The tenant holding `key` (blocking: a store lookup, unless the key was found valid
+    in the last KEY_CACHE_S); 401 for an unknown or revoked key."""
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    if (tenant := _known.get(digest)) is not None:
+        return tenant
     record = store.tenant_by_key(key)
     if record is None:
         raise unauthorized("authorization: unknown or revoked API key")
-    return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
-                  requests_per_minute=record.requests_per_minute,
-                  tokens_per_minute=record.tokens_per_minute)
+    tenant = Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
+                    requests_per_minute=record.requests_per_minute,
+                    tokens_per_minute=record.tokens_per_minute)
+    _known.put(digest, tenant)
+    return tenant
