@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from starlette.types import Receive, Scope, Send
 
-from api import openapi
+from api import listing, openapi
 from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import authenticate, bearer_key, tenant_for_key
 from api.errors import ApiError, malformed, not_found, unavailable
@@ -128,6 +128,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)
     _routes(app, deps)
+    _ops_routes(app, deps)
     openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
     return app
 
@@ -165,6 +166,12 @@ def _routes(app: FastAPI, deps: Deps) -> None:
         accepted = await deps.admission.run(rank, _admit, deps, key, req, idempotency_key)
         return JSONResponse(accepted.model_dump(), status_code=202 if accepted.created else 200)
 
+    @app.get("/v1/jobs", dependencies=checked)
+    async def list_jobs(request: Request) -> JSONResponse:
+        tenant = await authenticate(deps.store, request)  # 401 before a 422
+        query = listing.parse(request.query_params, deps.settings.lanes)
+        return JSONResponse(await asyncio.to_thread(_job_page, deps, tenant.id, query))
+
     @app.get("/v1/jobs/{job_id}", dependencies=checked)
     async def get_job(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
@@ -193,6 +200,10 @@ def _routes(app: FastAPI, deps: Deps) -> None:
             raise not_found("job")
         give_back = deps.streams.take(job.tenant_id)  # 429 when the caps are reached
         return EventStream(_sse(deps, job, after), give_back)
+
+
+def _ops_routes(app: FastAPI, deps: Deps) -> None:
+    """What probes and Prometheus read: no key, no /v1 header checks."""
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -275,6 +286,17 @@ def _admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> Job
     accepted = submit_job(deps, tenant_for_key(deps.store, key), req, header_key)
     deps.recent_lanes.add(accepted.job_id, accepted.lane)
     return accepted
+
+
+def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, Any]:
+    rows = deps.store.list_jobs(
+        tenant_id, statuses=query.statuses, lane=query.lane, session_id=query.session_id,
+        created_after=query.created_after, after=query.after,
+        limit=query.limit + 1)  # one more: is there a next page
+    page, more = rows[:query.limit], len(rows) > query.limit
+    cursor = listing.encode_cursor(page[-1].enqueued_at, page[-1].id) if more else None
+    return {"object": "list", "data": [_job_json(job) for job in page], "has_more": more,
+            "next_cursor": cursor}
 
 
 def _owned_job(deps: Deps, key: str, job_id: str) -> Any:

@@ -8,9 +8,14 @@ with an `error` event of its own (no id; api/app.py `_sse`) when it will not go 
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import json
+import random
+import re
 import time
-from collections.abc import AsyncIterator, Iterator
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -18,6 +23,11 @@ import httpx
 from tidegate.events import Event
 
 _RETRYABLE = (httpx.TransportError,)
+RETRY_STATUSES = (429, 503)  # a bound reached or something down: the API says when to retry
+MAX_RETRY_WAIT_S = 30.0  # a Retry-After longer than this is waited this long, then retried
+# A stream's read gives up after this much silence. The API sends a keep-alive comment
+# every TIDEGATE_SSE_KEEPALIVE_S (15 s): a half-open connection is noticed, and resumed.
+READ_TIMEOUT_S = 45.0
 
 
 class TidegateError(Exception):
@@ -56,6 +66,55 @@ def _backoff_s(failures: int) -> float:
     return min(0.1 * 2**failures, 2.0) if failures else 0.0
 
 
+def _retry_wait_s(resp: httpx.Response | None, attempt: int,
+                  most_s: float = MAX_RETRY_WAIT_S) -> float:
+    """Retry-After when the API sent one, else exponential backoff; with jitter, so many
+    clients refused together do not come back together."""
+    wait = _backoff_s(attempt + 1)
+    if resp is not None:
+        with contextlib.suppress(ValueError):  # an HTTP date: keep the backoff
+            wait = float(resp.headers.get("retry-after", wait))
+    return min(max(wait, 0.0), most_s) * random.uniform(1.0, 1.25)
+
+
+def _submit_headers(options: dict[str, Any]) -> dict[str, str]:
+    """An idempotency key for every submit the caller gave none: a submit retried after a
+    lost answer finds the job it made instead of making a second."""
+    return {} if options.get("idempotency_key") else {"Idempotency-Key": uuid.uuid4().hex}
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def _sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """SSE lines end at CR, LF or CRLF only (httpx's iter_lines also splits at U+2028 and
+    the like, which a token may hold). An unterminated last line is no event: dropped."""
+    buffer = _LineBuffer()
+    for chunk in chunks:
+        yield from buffer.feed(chunk)
+
+
+def _split(text: str) -> list[str]:
+    """Complete lines, then what is left (a trailing CR may be half of a CRLF)."""
+    held = text.endswith("\r")
+    parts = _LINE_END.split(text[:-1] if held else text)
+    if held:
+        parts[-1] += "\r"
+    return parts
+
+
+class _LineBuffer:
+    """Bytes in, complete SSE lines out (for a sync or an async byte stream)."""
+
+    def __init__(self) -> None:
+        self.decoder, self.pending = codecs.getincrementaldecoder("utf-8")(errors="replace"), ""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self.pending += self.decoder.decode(chunk)
+        *lines, self.pending = _split(self.pending)
+        return lines
+
+
 def _job_body(lane: str, messages: list[dict[str, str]] | None, prompt: str | None,
               **options: Any) -> dict[str, Any]:
     body: dict[str, Any] = {"lane": lane, **{k: v for k, v in options.items() if v is not None}}
@@ -64,6 +123,15 @@ def _job_body(lane: str, messages: list[dict[str, str]] | None, prompt: str | No
     if prompt is not None:
         body["prompt"] = prompt
     return body
+
+
+def _list_params(after: str | None, filters: dict[str, Any]) -> dict[str, str]:
+    params = {name: str(value) for name, value in filters.items() if value is not None}
+    if isinstance(filters.get("status"), (list, tuple)):
+        params["status"] = ",".join(filters["status"])
+    if after is not None:
+        params["after"] = after
+    return params
 
 
 def _check(resp: httpx.Response) -> dict[str, Any]:
@@ -104,22 +172,56 @@ class _SseParser:
 
 
 class Client:
+    """`retries`: how many times a request refused with 429 or 503 (after its
+    Retry-After, at most `max_retry_wait_s`) or lost on the way is tried again; 0 to see
+    every refusal. A submit carries an idempotency key, so a retry never makes two jobs."""
+
     def __init__(self, base_url: str, api_key: str, timeout_s: float = 30.0,
-                 max_reconnects: int = 20) -> None:
+                 max_reconnects: int = 20, retries: int = 5,
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 max_retry_wait_s: float = MAX_RETRY_WAIT_S) -> None:
         self.http = httpx.Client(base_url=base_url, timeout=timeout_s,
                                  headers={"Authorization": f"Bearer {api_key}"})
-        self.max_reconnects = max_reconnects
+        self.max_reconnects, self.retries, self.read_timeout_s = (
+            max_reconnects, retries, read_timeout_s)
+        self.max_retry_wait_s = max_retry_wait_s
 
     def submit(self, lane: str, messages: list[dict[str, str]] | None = None,
                prompt: str | None = None, **options: Any) -> dict[str, Any]:
         """Enqueue a job; returns the API's answer (`job_id`, `events_url`, ...)."""
-        return _check(self.http.post("/v1/jobs", json=_job_body(lane, messages, prompt, **options)))
+        return self._call("POST", "/v1/jobs", json=_job_body(lane, messages, prompt, **options),
+                          headers=_submit_headers(options))
 
     def job(self, job_id: str) -> dict[str, Any]:
-        return _check(self.http.get(f"/v1/jobs/{job_id}"))
+        return self._call("GET", f"/v1/jobs/{job_id}")
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return _check(self.http.delete(f"/v1/jobs/{job_id}"))
+        return self._call("DELETE", f"/v1/jobs/{job_id}")
+
+    def _call(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+        for attempt in range(self.retries + 1):
+            try:
+                resp = self.http.request(method, url, **kwargs)
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                time.sleep(_retry_wait_s(None, attempt, self.max_retry_wait_s))
+                continue
+            if resp.status_code not in RETRY_STATUSES or attempt == self.retries:
+                return _check(resp)
+            time.sleep(_retry_wait_s(resp, attempt, self.max_retry_wait_s))
+        raise AssertionError("unreachable")
+
+    def jobs(self, after: str | None = None, **filters: Any) -> Iterator[dict[str, Any]]:
+        """The tenant's jobs in acceptance order, page after page (GET /v1/jobs; filters:
+        `status`, `lane`, `session_id`, `created_after`, `limit` per page); `after` is a
+        page's `next_cursor`, to go on from where an earlier walk stopped."""
+        while True:
+            page = self._call("GET", "/v1/jobs", params=_list_params(after, filters))
+            yield from page["data"]
+            if not page["has_more"]:
+                return
+            after = page["next_cursor"]
 
     def stream(self, job_id: str, last_event_id: int = -1) -> Iterator[Event]:
         """Every event after `last_event_id`, in order, until `done` or `error`."""
@@ -138,12 +240,12 @@ class Client:
     def _events_once(self, job_id: str, last: int) -> Iterator[Event]:
         headers = {"Last-Event-ID": str(last)} if last >= 0 else {}
         with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers,
-                              timeout=httpx.Timeout(30.0, read=None)) as resp:
+                              timeout=httpx.Timeout(30.0, read=self.read_timeout_s)) as resp:
             if resp.status_code >= 400:
                 resp.read()
                 _check(resp)
             parser = _SseParser()
-            for line in resp.iter_lines():
+            for line in _sse_lines(resp.iter_bytes()):
                 if (event := parser.feed(line)) is not None:
                     yield event
 
@@ -158,22 +260,61 @@ class Client:
 
 
 class AsyncClient:
+    """As Client, on asyncio; `async with AsyncClient(...) as client:` closes it."""
+
     def __init__(self, base_url: str, api_key: str, timeout_s: float = 30.0,
-                 max_reconnects: int = 20) -> None:
+                 max_reconnects: int = 20, retries: int = 5,
+                 read_timeout_s: float = READ_TIMEOUT_S,
+                 max_retry_wait_s: float = MAX_RETRY_WAIT_S) -> None:
         self.http = httpx.AsyncClient(base_url=base_url, timeout=timeout_s,
                                       headers={"Authorization": f"Bearer {api_key}"})
-        self.max_reconnects = max_reconnects
+        self.max_reconnects, self.retries, self.read_timeout_s = (
+            max_reconnects, retries, read_timeout_s)
+        self.max_retry_wait_s = max_retry_wait_s
 
     async def submit(self, lane: str, messages: list[dict[str, str]] | None = None,
                      prompt: str | None = None, **options: Any) -> dict[str, Any]:
         body = _job_body(lane, messages, prompt, **options)
-        return _check(await self.http.post("/v1/jobs", json=body))
+        return await self._call("POST", "/v1/jobs", json=body, headers=_submit_headers(options))
 
     async def job(self, job_id: str) -> dict[str, Any]:
-        return _check(await self.http.get(f"/v1/jobs/{job_id}"))
+        return await self._call("GET", f"/v1/jobs/{job_id}")
 
     async def cancel(self, job_id: str) -> dict[str, Any]:
-        return _check(await self.http.delete(f"/v1/jobs/{job_id}"))
+        return await self._call("DELETE", f"/v1/jobs/{job_id}")
+
+    async def _call(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
+        import asyncio
+
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await self.http.request(method, url, **kwargs)
+            except _RETRYABLE:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(_retry_wait_s(None, attempt, self.max_retry_wait_s))
+                continue
+            if resp.status_code not in RETRY_STATUSES or attempt == self.retries:
+                return _check(resp)
+            await asyncio.sleep(_retry_wait_s(resp, attempt, self.max_retry_wait_s))
+        raise AssertionError("unreachable")
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def jobs(self, after: str | None = None,
+                   **filters: Any) -> AsyncIterator[dict[str, Any]]:
+        """As Client.jobs."""
+        while True:
+            page = await self._call("GET", "/v1/jobs", params=_list_params(after, filters))
+            for job in page["data"]:
+                yield job
+            if not page["has_more"]:
+                return
+            after = page["next_cursor"]
 
     async def stream(self, job_id: str, last_event_id: int = -1) -> AsyncIterator[Event]:
         import asyncio
@@ -193,14 +334,16 @@ class AsyncClient:
     async def _events_once(self, job_id: str, last: int) -> AsyncIterator[Event]:
         headers = {"Last-Event-ID": str(last)} if last >= 0 else {}
         async with self.http.stream("GET", f"/v1/jobs/{job_id}/events", headers=headers,
-                                    timeout=httpx.Timeout(30.0, read=None)) as resp:
+                                    timeout=httpx.Timeout(30.0, read=self.read_timeout_s)
+                                    ) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
                 _check(resp)
-            parser = _SseParser()
-            async for line in resp.aiter_lines():
-                if (event := parser.feed(line)) is not None:
-                    yield event
+            parser, lines = _SseParser(), _LineBuffer()
+            async for chunk in resp.aiter_bytes():
+                for line in lines.feed(chunk):
+                    if (event := parser.feed(line)) is not None:
+                        yield event
 
     async def aclose(self) -> None:
         await self.http.aclose()

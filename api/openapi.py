@@ -85,7 +85,17 @@ PARAMETERS = {
     "idempotency-key": {"type": "string", "pattern": "^[!-~]{1,255}$"},
     "last-event-id": {"type": "string", "pattern": "^(-1|[0-9]{1,18})?$"},
     "job_id": {"type": "string", "pattern": "^[0-9A-Za-z_.:-]{1,64}$"},
+    # GET /v1/jobs, as api/listing.py reads them.
+    "status": {"type": "string", "pattern": "^(queued|running|done|error|cancelled|expired)"
+               "(,(queued|running|done|error|cancelled|expired))*$"},
+    "lane": {"type": "string", "pattern": "^[!-~]{1,64}$"},
+    "session_id": {"type": "string", "pattern": "^[!-~]{1,255}$"},
+    "created_after": {"type": "string", "description": "ISO 8601 with a timezone, or Unix "
+                      "seconds."},
+    "after": {"type": "string", "description": "A page's `next_cursor`, as it is."},
+    "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
 }
+LIST_PARAMETERS = ("status", "lane", "session_id", "created_after", "after", "limit")
 
 ERROR_SCHEMA: Json = {
     "type": "object",
@@ -182,6 +192,14 @@ def _schemas(lanes: Mapping[str, Lane]) -> Json:
         "JobAccepted": _schema_of(JobAccepted, defs),
         "Job": _schema_of(JobRecord, defs),
         "Event": _schema_of(Event, defs),
+        "JobList": {"type": "object", "required": ["object", "data", "has_more", "next_cursor"],
+                    "properties": {
+                        "object": {"const": "list"},
+                        "data": {"type": "array", "items": _ref("Job")},
+                        "has_more": {"type": "boolean"},
+                        "next_cursor": {"type": ["string", "null"],
+                                        "description": "Pass as `after` for the next page; "
+                                                       "null on the last."}}},
         "Health": {"type": "object", "required": ["status"],
                    "properties": {"status": {"type": "string"}}},
         "Readiness": {"type": "object", "required": ["ready", "checks"], "properties": {
@@ -243,6 +261,12 @@ def _operations() -> dict[tuple[str, str], Json]:
             errors=(400, 401, 403, 413, 422, 429, 503),
             requestBody={"required": True,
                          "content": {"application/json": {"schema": _ref("JobRequest")}}}),
+        ("/v1/jobs", "get"): _jobs_operation(
+            "listJobs", "The key's tenant's jobs in the order they were accepted, filtered, "
+            "a page at a time (`next_cursor` -> `after`).",
+            {"200": _json("A page of jobs.", "JobList")}, errors=(400, 401, 422, 503),
+            parameters=[{"name": name, "in": "query", "required": False}
+                        for name in LIST_PARAMETERS]),
         ("/v1/jobs/{job_id}", "get"): _jobs_operation(
             "getJob", "Read a job.", {"200": _json("The job.", "Job")},
             errors=(400, 401, 404, 503)),
@@ -269,7 +293,7 @@ def _operations() -> dict[tuple[str, str], Json]:
 
 
 def _jobs_operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],
-                    **extra: Json) -> Json:
+                    **extra: Any) -> Json:
     responses = ok | {str(status): _error(status) for status in errors}
     return {"operationId": operation_id, "summary": summary, "security": BEARER,
             "responses": responses, **extra}

@@ -107,6 +107,8 @@ class Job(Base):
         # its size is the live backlog, not the history.
         Index("ix_jobs_unended", "enqueued_at", sqlite_where=text("finished_at IS NULL"),
               postgresql_where=text("finished_at IS NULL")),
+        # A tenant's jobs listed in acceptance order, page after page (GET /v1/jobs).
+        Index(None, "tenant_id", "enqueued_at", "id"),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
