@@ -152,3 +152,40 @@ def advertise(client: redis.Redis, namespace: str, name: str, lane: str, pool: s
     body = {"name": name, "state": "active", "lanes": [lane], "pool": pool, "engine": "vllm",
             "slots": 4, "kv_cache_dtype": "fp8", "dtype": "float16", "stats": {}}
     client.set(keys.worker_heartbeat(namespace, name), json.dumps(body))
+
+
+@dataclass
+class InProcessApi:
+    """The API app in this process (FastAPI's TestClient), on a Redis DB and a SQLite
+    database of its own, with one tenant."""
+
+    http: Any  # fastapi.testclient.TestClient
+    store: Store
+    redis: redis.Redis
+    settings: Any  # tidegate.settings.Settings
+    tenant_id: int
+    key: str
+
+
+@contextlib.contextmanager
+def in_process_api(redis_server: str, db_path: Any, redis_db: int, tenant: str,
+                   lanes: list[str]) -> Iterator[InProcessApi]:
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from store import upgrade
+    from tidegate.settings import Settings
+
+    url = f"sqlite:///{db_path}"
+    upgrade(url)
+    redis_url = redis_server.rsplit("/", 1)[0] + f"/{redis_db}"
+    settings = Settings(redis_url=redis_url, database_url=url)
+    store = Store(url)
+    record, key = store.create_tenant(tenant, lanes)
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    try:
+        with TestClient(create_app(settings)) as http:
+            yield InProcessApi(http, store, client, settings, record.id, key)
+    finally:
+        client.flushdb()

@@ -13,33 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 from fastapi.testclient import TestClient
 
-from api.app import create_app
 from api.client import Client
-from store import Store, upgrade
+from store import Store
+from tests.helpers import in_process_api
 from tests.stack.test_api_validation import advertise_worker
-from tidegate.settings import Settings
 
 Listing = tuple[TestClient, Store, int, str]
 
 
 @pytest.fixture(scope="module")
 def listing(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Listing]:
-    url = f"sqlite:///{tmp_root / 'listing.db'}"
-    upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/4"
-    settings = Settings(redis_url=redis_url, database_url=url)
-    store = Store(url)
-    tenant, key = store.create_tenant("listing", ["chat", "finance"])
-    client = redis.Redis.from_url(redis_url)
-    advertise_worker(client, settings)
-    try:
-        with TestClient(create_app(settings)) as http:
-            yield http, store, tenant.id, key
-    finally:
-        client.flushdb()
+    with in_process_api(redis_server, tmp_root / "listing.db", 4, "listing",
+                        ["chat", "finance"]) as api:
+        advertise_worker(api.redis, api.settings)
+        yield api.http, api.store, api.tenant_id, api.key
 
 
 def add_job(store: Store, tenant_id: int, lane: str = "chat",

@@ -14,9 +14,10 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.app import FLEET_CACHE_S, create_app
+from api.app import FLEET_CACHE_S
 from api.client import Client, TidegateError
-from store import Store, upgrade
+from store import Store
+from tests.helpers import in_process_api
 from tests.stack.test_api_validation import advertise_worker
 from tidegate.settings import Settings
 
@@ -25,19 +26,9 @@ Api = tuple[TestClient, Store, redis.Redis, Settings, str]
 
 @pytest.fixture(scope="module")
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
-    url = f"sqlite:///{tmp_root / 'sdk-retries.db'}"
-    upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/5"
-    settings = Settings(redis_url=redis_url, database_url=url)
-    store = Store(url)
-    _, key = store.create_tenant("sdk-retries", ["chat"])
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    try:
-        with TestClient(create_app(settings)) as http:
-            yield http, store, client, settings, key
-    finally:
-        client.flushdb()
+    with in_process_api(redis_server, tmp_root / "sdk-retries.db", 5, "sdk-retries",
+                        ["chat"]) as app:
+        yield app.http, app.store, app.redis, app.settings, app.key
 
 
 def sdk(http: TestClient, key: str, retries: int) -> Client:
