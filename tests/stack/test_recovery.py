@@ -126,16 +126,44 @@ def read_to_end(stack: Stack, key: str, job_id: str, procs: list[Proc]) -> Reade
     return reader
 
 
-def appended(stack: Stack, job_id: str) -> int:
-    """Events the worker has appended to the job's stream so far. Read from Redis, not
-    from the SSE reader, which may lag behind a fast engine by the whole job."""
-    return int(stack.redis.xlen(keys.job_events(stack.namespace, job_id)))
-
-
 def worker_of(stack: Stack, job_id: str) -> str:
     row = stack.store.get_job(job_id)
     assert row is not None and row.worker is not None, f"job {job_id} has no worker yet"
     return row.worker
+
+
+HELD_AFTER = 30  # tokens a job streams before its worker holds it
+
+
+def hold(names: list[str], after_tokens: int) -> None:
+    """Arms (after_tokens > 0) or releases the workers' hold (workers/faults.py TokenHold):
+    the next job to stream that many tokens waits there, its engine request running on."""
+    celery_app().control.broadcast("tidegate_hold", arguments={"after_tokens": after_tokens},
+                                   destination=names, reply=True, timeout=10)
+
+
+@contextlib.contextmanager
+def mid_job(stack: Stack, pair: Pair) -> Iterator[tuple[str, Reader, str]]:
+    """A job held by its worker after its first tokens, however fast the engine: (its id,
+    its reader, the worker). A job's events can carry many tokens each when the engine runs
+    ahead of its worker, so counting events catches no job mid-generation for sure. The
+    other worker is released at once (a job resumed there runs through); every hold is let
+    go when the block ends."""
+    names = list(pair.procs)
+    hold(names, HELD_AFTER)
+    try:
+        job_id = submit(stack, pair.key)
+        reader = Reader(stack, pair.key, job_id)
+        reader.start()
+        wait_until(lambda: any(engine_stats(n)["held"] == job_id for n in names), 60,
+                   f"a worker to hold job {job_id}", list(pair.procs.values()), poll_s=0.05)
+        worker = worker_of(stack, job_id)
+        hold([n for n in names if n != worker], 0)
+        row = stack.store.get_job(job_id)
+        assert row is not None and row.status == "running"
+        yield job_id, reader, worker
+    finally:
+        hold([n for n, proc in pair.procs.items() if proc.alive()], 0)
 
 
 def check_stream(events: list[Event]) -> None:
@@ -146,15 +174,11 @@ def check_stream(events: list[Event]) -> None:
 
 
 def test_a_job_outliving_its_lease_keeps_it_and_runs_once(stack: Stack, pair: Pair) -> None:
-    job_id = submit(stack, pair.key)
-    reader = Reader(stack, pair.key, job_id)
-    reader.start()
-    wait_until(lambda: appended(stack, job_id) > 10, 60, "the job to generate",
-               list(pair.procs.values()), poll_s=0.01)
-    worker, lease = worker_of(stack, job_id), keys.job_lease(stack.namespace, job_id)
-    owner = stack.redis.get(lease)
-    lease_s = keys.lease_ttl_s(get_settings().heartbeat_s)
-    with pair.frozen(worker):  # the job runs on, in no hurry, for two lease lifetimes
+    with mid_job(stack, pair) as (job_id, reader, worker), pair.frozen(worker):
+        # The job runs on, in no hurry, for two lease lifetimes.
+        lease = keys.job_lease(stack.namespace, job_id)
+        owner = stack.redis.get(lease)
+        lease_s = keys.lease_ttl_s(get_settings().heartbeat_s)
         until = time.time() + 2 * lease_s
         wait_until(lambda: beat_at(stack, worker) > until, 4 * lease_s,
                    "the frozen worker's heartbeat to go on past two lease lifetimes")
@@ -173,15 +197,11 @@ def beat_at(stack: Stack, name: str) -> float:
 
 def test_a_second_delivery_of_a_running_job_waits_and_does_not_run_it_again(
         stack: Stack, pair: Pair) -> None:
-    job_id = submit(stack, pair.key)
-    reader = Reader(stack, pair.key, job_id)
-    reader.start()
-    wait_until(lambda: appended(stack, job_id) > 10, 60, "the job to generate",
-               list(pair.procs.values()), poll_s=0.01)
     skipped_before = skipped(pair)
-    payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
-                              sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0.0))
-    with pair.frozen(worker_of(stack, job_id)):  # still running when it arrives
+    with mid_job(stack, pair) as (job_id, reader, worker), pair.frozen(worker):
+        # Still running when the second delivery arrives.
+        payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
+                                  sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0.0))
         send_generate(celery_app(), payload, QUEUE, 5)  # what a visibility timeout does
         wait_until(lambda: queue_lengths(stack.redis, [QUEUE])[QUEUE] == 0, 30,
                    "a worker to take the second delivery")
@@ -219,16 +239,7 @@ def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
 
 def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
         stack: Stack, pair: Pair) -> None:
-    job_id = submit(stack, pair.key)
-    reader = Reader(stack, pair.key, job_id)
-    reader.start()
-    alive = list(pair.procs.values())
-    wait_until(lambda: appended(stack, job_id) > 30, 60, "30 tokens of the first attempt", alive,
-               poll_s=0.01)
-    victim = worker_of(stack, job_id)
-    with pair.frozen(victim):  # mid-generation for sure, however fast the engine is
-        row = stack.store.get_job(job_id)
-        assert row is not None and row.status == "running"
+    with mid_job(stack, pair) as (job_id, reader, victim):
         pair.kill(victim)
     survivor = next(n for n in pair.procs if n != victim)
     wait_until(reader.ended, 120, "the job to end after its worker was killed",
