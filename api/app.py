@@ -15,100 +15,50 @@ import contextlib
 import json
 import logging
 import re
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from typing import Any
 
 import redis as syncredis
 import redis.asyncio as aioredis
-from celery import Celery
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
-from starlette.types import Receive, Scope, Send
 
-from api import listing, openapi
-from api.admission import Admission, RecentLanes, StreamSlots
+from api import batches, listing, openai_routes, openapi
 from api.auth import authenticate, bearer_key, tenant_for_key
+from api.deps import (
+    Deps,
+    EventStream,
+    admit,
+    cancel,
+    check_headers,
+    check_job_id,
+    job_json,
+    json_body,
+    lane_rank,
+)
 from api.errors import ApiError, malformed, not_found, unavailable
-from api.metrics import ApiMetrics, FleetCollector
-from api.prompts import PromptRenderer
-from api.schemas import JobAccepted, JobRequest, parse_job_request
-from api.submit import submit as submit_job
-from scheduler.router import WorkerView
-from store import Store
-from tasks.app import make_app
-from tidegate import keys, redisconn
+from api.openai_api import error_body
+from api.schemas import JobRequest, parse_job_request
+from store.batches import Batches
+from tidegate import keys
 from tidegate.events import TERMINAL, Event
-from tidegate.fleet import read_fleet
-from tidegate.records import Heartbeat, JobStatus, WorkerState
+from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.api")
 
 API_THREADS = 12
-# Submits run on a few threads of their own, most urgent lane first (api/admission.py):
-# enough to overlap their store and broker round trips, few enough that the queue orders.
-SUBMIT_THREADS = 4
-UNKNOWN_LANE_RANK = 100.0
-RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
-FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
-# Redis connections beyond one per SSE stream: the metrics follower, readiness, cancels.
-REDIS_SPARE_CONNECTIONS = 8
-REDIS_POOL_WAIT_S = 5.0  # a command waits this long for a free connection, then 503s
-# Headers: the idempotency key fits the store's column; an API key is 46 characters.
-VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
-PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
-MAX_IDEMPOTENCY_KEY = 255
-MAX_AUTHORIZATION = 1024
-JOB_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")  # uuid4 strings; anything else is no job
 MAX_EVENT_ID = 2**63 - 1  # a stream id's first part is 64 bits; seq + 1 must fit
-
-
-class Deps:
-    """What the handlers share; built once at startup."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.store = Store(settings.db_url)
-        # Each SSE stream holds a connection while its read blocks (up to a keep-alive
-        # period: the socket timeout is longer). The pool is bounded, so streams can never
-        # take the connections Redis has for the workers; the stream cap keeps it unspent.
-        self.redis: Any = redisconn.async_client(
-            settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
-            pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10)
-        self.sync_redis = redisconn.sync_client(settings.redis_url)  # handler threads
-        self.celery: Celery = make_app(settings)
-        self.prompts = PromptRenderer(settings.model_path)
-        self.metrics = ApiMetrics()
-        self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
-        self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
-        self.metrics.sse_streams.set_function(self.streams.open)
-        self.recent_lanes = RecentLanes(RECENT_JOBS)
-        self.metrics.registry.register(FleetCollector(
-            lambda: read_fleet(self.sync_redis, settings.namespace)))
-        self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
-        self._fleet_lock = threading.Lock()
-
-    def fleet(self) -> list[WorkerView]:
-        """Worker heartbeats, read at most every FLEET_CACHE_S: heartbeats change every
-        `heartbeat_s`, and a SCAN per submit was a large share of the API's time."""
-        with self._fleet_lock:
-            read_at, views = self._fleet
-            if time.monotonic() - read_at > FLEET_CACHE_S:
-                views = [WorkerView.from_heartbeat(hb)
-                         for hb in read_fleet(self.sync_redis, self.settings.namespace)]
-                self._fleet = (time.monotonic(), views)
-            return views
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     deps = Deps(settings)
+    batch_store = Batches(deps.store)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -117,7 +67,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
         follower = asyncio.create_task(deps.metrics.follow(deps.redis, settings.namespace))
+        driver = asyncio.create_task(batches.Driver(deps, batch_store).run())
         yield
+        driver.cancel()
         follower.cancel()
         deps.admission.close()
         await deps.redis.aclose()
@@ -128,6 +80,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)
     _routes(app, deps)
+    openai_routes.install(app, deps)
+    batches.install(app, deps, batch_store)
     _ops_routes(app, deps)
     openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
     return app
@@ -141,6 +95,9 @@ async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     metrics.rejected.labels(exc.field or "none").inc()
     if exc.status in (429, 503):
         metrics.shed.labels(exc.kind).inc()
+    if openai_routes.is_openai_path(request.url.path):
+        status, body = error_body(exc)
+        return JSONResponse(body, status_code=status, headers=exc.headers)
     body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
@@ -155,15 +112,15 @@ async def handle_unreachable(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _routes(app: FastAPI, deps: Deps) -> None:
-    checked = [Depends(_check_headers)]  # every /v1 route: its headers, before it runs
+    checked = [Depends(check_headers)]  # every /v1 route: its headers, before it runs
 
     @app.post("/v1/jobs", status_code=202, dependencies=checked)
     async def submit(request: Request, idempotency_key: str | None = Header(None)) -> JSONResponse:
         key = bearer_key(request)
         req = await _job_request(request, deps)
         await deps.prompts.loaded()  # a restarted API: here, not in an admission thread
-        rank = _lane_rank(deps, req.lane, req.priority)
-        accepted = await deps.admission.run(rank, _admit, deps, key, req, idempotency_key)
+        rank = lane_rank(deps, req.lane, req.priority)
+        accepted = await deps.admission.run(rank, admit, deps, key, req, idempotency_key)
         return JSONResponse(accepted.model_dump(), status_code=202 if accepted.created else 200)
 
     @app.get("/v1/jobs", dependencies=checked)
@@ -175,26 +132,26 @@ def _routes(app: FastAPI, deps: Deps) -> None:
     @app.get("/v1/jobs/{job_id}", dependencies=checked)
     async def get_job(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
-        _check_job_id(job_id)
+        job_id = check_job_id(job_id)
         job = await asyncio.to_thread(deps.store.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
-        return JSONResponse(_job_json(job))
+        return JSONResponse(job_json(job))
 
     @app.delete("/v1/jobs/{job_id}", dependencies=checked)
-    async def cancel(job_id: str, request: Request) -> JSONResponse:
+    async def cancel_job(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
-        _check_job_id(job_id)
-        job = await asyncio.to_thread(_cancel, deps, job_id, tenant.id)
-        return JSONResponse(_job_json(job))
+        job_id = check_job_id(job_id)
+        job = await asyncio.to_thread(cancel, deps, job_id, tenant.id)
+        return JSONResponse(job_json(job))
 
     @app.get("/v1/jobs/{job_id}/events", dependencies=checked)
     async def events(job_id: str, request: Request,
                      last_event_id: str | None = Header(None)) -> StreamingResponse:
         key = bearer_key(request)
         after = _resume_after(last_event_id, request.query_params.get("last_event_id"))
-        _check_job_id(job_id)
-        rank = _lane_rank(deps, deps.recent_lanes.get(job_id))  # a stream opened after its submit
+        job_id = check_job_id(job_id)
+        rank = lane_rank(deps, deps.recent_lanes.get(job_id))  # a stream opened after its submit
         job = await deps.admission.run(rank, _owned_job, deps, key, job_id)
         if job is None:
             raise not_found("job")
@@ -224,68 +181,10 @@ def _ops_routes(app: FastAPI, deps: Deps) -> None:
 
 async def _job_request(request: Request, deps: Deps) -> JobRequest:
     try:
-        return parse_job_request(await _json_body(request, deps))
+        return parse_job_request(await json_body(request, deps))
     except ApiError:
         await authenticate(deps.store, request)  # an unknown key hears 401 before a 400
         raise
-
-
-async def _json_body(request: Request, deps: Deps) -> Any:
-    limit = deps.settings.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "body", f"body: not valid JSON ({exc})") from None
-    except RecursionError:  # arrays nested thousands deep
-        raise ApiError(400, "body", "body: nested too deeply") from None
-
-
-async def _check_headers(request: Request) -> None:
-    """The headers any route reads, checked before it runs: a value of the wrong shape is
-    a 400 naming the header, never a 500 from the store or Redis further on.
-    Last-Event-ID, read by one route, is checked there (`_resume_after`)."""
-    key = request.headers.get("idempotency-key")
-    if key is not None and not (len(key) <= MAX_IDEMPOTENCY_KEY and VISIBLE_ASCII.fullmatch(key)):
-        raise malformed("idempotency-key", f"idempotency-key: 1 to {MAX_IDEMPOTENCY_KEY} "
-                        "visible ASCII characters")
-    auth = request.headers.get("authorization")
-    if auth is not None and not (len(auth) <= MAX_AUTHORIZATION
-                                 and PRINTABLE_ASCII.fullmatch(auth)):
-        raise malformed("authorization", "authorization: expected `Bearer <API key>` in "
-                        f"at most {MAX_AUTHORIZATION} printable ASCII characters")
-
-
-def _check_job_id(job_id: str) -> None:
-    """A path id that no job can have is a 404 without a store lookup (a NUL in it is an
-    error on PostgreSQL, not a miss)."""
-    if not JOB_ID.fullmatch(job_id):
-        raise not_found("job")
-
-
-def _lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) -> tuple[float, ...]:
-    """A submit's or a stream opening's place among the waiting ones: by its lane's cpu_nice
-    (the lane that yields the hosts' CPU to the others yields the API's too), then by job
-    priority, then in arrival order."""
-    lane = deps.settings.lanes.get(lane_name or "")
-    if lane is None:
-        return (UNKNOWN_LANE_RANK,)  # a 400 to come, or a job this process did not submit
-    return (lane.cpu_nice, -(lane.default_priority if priority is None else priority))
-
-
-def _admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobAccepted:
-    """The submit's blocking part, on an admission thread: the key's tenant, then
-    api/submit.py."""
-    accepted = submit_job(deps, tenant_for_key(deps.store, key), req, header_key)
-    deps.recent_lanes.add(accepted.job_id, accepted.lane)
-    return accepted
 
 
 def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, Any]:
@@ -295,44 +194,13 @@ def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, 
         limit=query.limit + 1)  # one more: is there a next page
     page, more = rows[:query.limit], len(rows) > query.limit
     cursor = listing.encode_cursor(page[-1].enqueued_at, page[-1].id) if more else None
-    return {"object": "list", "data": [_job_json(job) for job in page], "has_more": more,
+    return {"object": "list", "data": [job_json(job) for job in page], "has_more": more,
             "next_cursor": cursor}
 
 
 def _owned_job(deps: Deps, key: str, job_id: str) -> Any:
     """The job, if the key's tenant owns it (else None: another tenant's job is a 404)."""
     return deps.store.get_job(job_id, tenant_for_key(deps.store, key).id)
-
-
-def _cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
-    """Cancel the job, however often asked: a job that had already ended (by an earlier
-    DELETE too) comes back as it is, 200; the effects that are safe to repeat are."""
-    job = deps.store.cancel_job(job_id, tenant_id)
-    if job is None:
-        raise not_found("job")
-    if job.status != JobStatus.CANCELLED:
-        return job  # it had ended otherwise: nothing to cancel
-    client = deps.sync_redis
-    ns = deps.settings.namespace
-    client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
-    client.publish(keys.cancel_channel(ns), job_id)
-    if job.started_at is None:  # no worker will ever run it: end its stream here
-        _end_unstarted(deps, job_id)
-    return job
-
-
-def _end_unstarted(deps: Deps, job_id: str) -> None:
-    """The end event of a job cancelled before any worker took it, at seq 0, written on
-    every DELETE: Redis refuses a second entry with that id, which makes a repeated DELETE
-    harmless (as in workers/publisher.py) and lets one repair a first whose write failed."""
-    key = keys.job_events(deps.settings.namespace, job_id)
-    done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
-    pipe = deps.sync_redis.pipeline(transaction=True)
-    pipe.xadd(key, done.stream_fields(), id=keys.stream_id(0))  # type: ignore[arg-type]
-    pipe.expire(key, deps.settings.stream_ttl_s)
-    added, _ = pipe.execute(raise_on_error=False)
-    if isinstance(added, syncredis.ResponseError) and "equal or smaller" not in str(added):
-        raise added
 
 
 EVENT_ID = re.compile(r"-?[0-9]{1,20}")
@@ -349,22 +217,6 @@ def _resume_after(header: str | None, query: str | None) -> int:
     if value is None or not -1 <= value <= MAX_EVENT_ID:
         raise malformed(field, f"{field}: an event's id, an integer from -1 to {MAX_EVENT_ID}")
     return value
-
-
-class EventStream(StreamingResponse):
-    """An SSE answer holding its stream slot (api/admission.py StreamSlots) until it is
-    done, however it ends: the events ran out, the client went away, an error."""
-
-    def __init__(self, body: AsyncIterator[bytes], give_back: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.give_back = give_back
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.give_back()
 
 
 async def _sse(deps: Deps, job: Any, after: int) -> AsyncIterator[bytes]:
@@ -489,16 +341,6 @@ def _sse_frames(entries: list[Any]) -> tuple[bytes, bool]:
         if kind in TERMINAL_KINDS:
             return bytes(out), True
     return bytes(out), False
-
-
-def _job_json(job: Any) -> dict[str, Any]:
-    body = asdict(job)
-    body.pop("tenant_id", None)
-    body.pop("idempotency_key", None)
-    for name, value in body.items():
-        if hasattr(value, "isoformat"):
-            body[name] = value.isoformat()
-    return body
 
 
 async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:

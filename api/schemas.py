@@ -47,6 +47,15 @@ class JobRequest(BaseModel):
     deadline_s: float | None = Field(None, gt=0)  # default and cap: the lane's deadline
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
     lora: str | None = Field(None, min_length=1, max_length=128)  # a LoRA adapter's name
+    # Strings that end the output (left out of it), as OpenAI's `stop`.
+    stop: list[str] = Field(default_factory=list, max_length=4)
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: list[str]) -> list[str]:
+        if any(not 0 < len(s) <= 256 for s in v):
+            raise ValueError("each stop string holds 1 to 256 characters")
+        return v
 
     @field_validator("temperature", "top_p", "deadline_s")
     @classmethod

@@ -272,7 +272,7 @@ def _system_prefix(deps: SubmitDeps, req: JobRequest) -> str:
 
 def _sampling(req: JobRequest) -> Sampling:
     return Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    seed=req.seed)
+                    seed=req.seed, stop=tuple(req.stop))
 
 
 def _accepted(job: JobRecord, created: bool) -> JobAccepted:

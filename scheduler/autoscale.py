@@ -84,6 +84,8 @@ def autoscale(app: Celery, client: Any, store: Store, settings: Settings,
     lead_s = lead_time_s(activation_s(client, settings))
     actions = []
     for lane in settings.lanes.values():
+        if lane.runs_on is not None:
+            continue  # its jobs run on its host lane's workers, which that lane's plan keeps
         want, rate = lane_plan(store, lane, views, now, lead_s, settings.scheduler_tick_s)
         active = [w for w in views if w.state == "active" and lane.name in w.lanes]
         standby = [w for w in views if w.state == "standby" and lane.name in w.lanes]

@@ -168,3 +168,54 @@ class TrafficSample(Base):
     lane: Mapped[str] = mapped_column(String(64))
     minute: Mapped[datetime]  # UTC, truncated to the minute
     arrivals: Mapped[int] = mapped_column(Integer)
+
+
+class File(Base):
+    """A file uploaded for the Batch API (purpose `batch`), or one a batch wrote (its
+    output and errors, purpose `batch_output`): JSONL text, at most the API's file limit."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index(None, "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(255))
+    bytes: Mapped[int] = mapped_column(Integer)
+    content: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+
+class Batch(Base):
+    """A batch of chat completions (OpenAI's Batch API): its state lives here, so it goes
+    on after any process restarts. Each line of its input file becomes a job with the
+    idempotency key `<batch id>:<line>`; `submitted` lines have been handed to the queue
+    (or refused, as `line_errors` say)."""
+
+    __tablename__ = "batches"
+    __table_args__ = (Index(None, "status"), Index(None, "tenant_id", "created_at"))
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    status: Mapped[str] = mapped_column(String(16))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(8))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    submitted: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    line_errors: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    errors: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
+    meta: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON(none_as_null=True))
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]

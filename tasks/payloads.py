@@ -14,6 +14,7 @@ class Sampling:
     temperature: float = 1.0  # 0 is greedy
     top_p: float = 1.0
     seed: int | None = None  # fixed seed: a redelivered job resumes the same way
+    stop: tuple[str, ...] = ()  # strings that end the output (not included in it)
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,14 @@ class GeneratePayload:
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        body = asdict(self)
+        body["sampling"]["stop"] = list(self.sampling.stop)  # as JSON gives it back
+        return body
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> GeneratePayload:
         body = dict(body)
-        body["sampling"] = Sampling(**body["sampling"])
+        sampling = dict(body["sampling"])
+        sampling["stop"] = tuple(sampling.get("stop") or ())  # a JSON list
+        body["sampling"] = Sampling(**sampling)
         return cls(**body)

@@ -202,3 +202,11 @@ def stream_id(seq: int) -> str:
 def seq_of(entry_id: str | bytes) -> int:
     raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(raw.split("-", 1)[0]) - 1
+
+
+def batch_lock(ns: str, batch_id: str) -> str:
+    """Held by the API process advancing a batch (api/batches.py); lives BATCH_LOCK_S."""
+    return f"{ns}:lock:batch:{batch_id}"
+
+
+BATCH_LOCK_S = 60  # longer than one pass over a batch; a dead holder's lock lapses

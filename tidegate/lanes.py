@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from datetime import datetime, time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -86,6 +86,14 @@ class Lane(BaseModel):
     # follows. Turn it on only where the lane's tenants may learn of each other's prompts
     # (one organisation, or prompts that are not secret).
     share_prefix_cache: bool = False
+    # The lane whose workers run this lane's jobs (None: its own). A lane that takes only
+    # spare capacity (`batch`) shares its host's queue at a lower priority: Redis serves
+    # its messages after every waiting one of the host's, and the host's queue-depth cap
+    # refuses them first. Its queue and pools must be the host's.
+    runs_on: str | None = None
+    # An OpenAI-compatible request whose client goes away before the end cancels its job;
+    # true: the job runs on (its row and GET /v1/jobs/{id} keep the answer).
+    keep_on_disconnect: bool = False
 
     def cache_salt(self, tenant_id: int) -> str | None:
         """The prefix-cache salt of a tenant's requests on this lane (None: shared)."""
@@ -112,12 +120,16 @@ class LanesConfigError(ValueError):
     """The lanes file is missing or wrong; the message names the lane and field."""
 
 
-def load_lanes(path: Path | str | None = None) -> dict[str, Lane]:
-    path = Path(path) if path else DEFAULT_LANES_FILE
+def _read(path: Path) -> dict[str, Any]:
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise LanesConfigError(f"lanes file {path}: {exc}") from exc
+
+
+def load_lanes(path: Path | str | None = None) -> dict[str, Lane]:
+    path = Path(path) if path else DEFAULT_LANES_FILE
+    raw = _read(path)
     lanes_raw = raw.get("lanes")
     if not isinstance(lanes_raw, dict) or not lanes_raw:
         raise LanesConfigError(f"lanes file {path}: needs at least one [lanes.NAME] table")
@@ -127,7 +139,46 @@ def load_lanes(path: Path | str | None = None) -> dict[str, Lane]:
             lanes[name] = Lane(name=name, **body)
         except (ValidationError, TypeError) as exc:
             raise LanesConfigError(f"lanes file {path}: lane {name!r}: {_first(exc)}") from exc
+    for lane in lanes.values():
+        _check_host(path, lane, lanes)
     return lanes
+
+
+def _check_host(path: Path, lane: Lane, lanes: dict[str, Lane]) -> None:
+    if lane.runs_on is None:
+        return
+    host = lanes.get(lane.runs_on)
+    where = f"lanes file {path}: lane {lane.name!r}: field 'runs_on'"
+    if host is None or host.runs_on is not None:
+        raise LanesConfigError(f"{where}: {lane.runs_on!r} is not a lane with workers of its own")
+    if (lane.queue, lane.pools) != (host.queue, host.pools):
+        raise LanesConfigError(f"{where}: its queue and pools must be {host.name!r}'s "
+                               f"({host.queue!r}, {host.pools})")
+
+
+def hosted_lanes(lanes: dict[str, Lane], host: str) -> tuple[str, ...]:
+    """The lane `host` and every lane that runs on its workers."""
+    return (host, *sorted(name for name, lane in lanes.items() if lane.runs_on == host))
+
+
+# OpenAI's `service_tier` values a lanes file may map (api/openai_api.py).
+SERVICE_TIERS = ("auto", "default", "flex", "priority", "scale")
+
+
+def load_service_tiers(path: Path | str | None, lanes: dict[str, Lane]) -> dict[str, str]:
+    """The `[service_tiers]` table: an OpenAI service tier -> the lane it runs on."""
+    path = Path(path) if path else DEFAULT_LANES_FILE
+    tiers = _read(path).get("service_tiers", {})
+    if not isinstance(tiers, dict):
+        raise LanesConfigError(f"lanes file {path}: [service_tiers] must be a table")
+    for tier, lane in tiers.items():
+        if tier not in SERVICE_TIERS:
+            raise LanesConfigError(f"lanes file {path}: [service_tiers]: unknown tier {tier!r}; "
+                                   f"tiers are {', '.join(SERVICE_TIERS)}")
+        if lane not in lanes:
+            raise LanesConfigError(f"lanes file {path}: [service_tiers]: tier {tier!r} names "
+                                   f"no lane ({lane!r})")
+    return dict(tiers)
 
 
 def _first(exc: Exception) -> str:

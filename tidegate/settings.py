@@ -13,7 +13,13 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tidegate import redisconn
-from tidegate.lanes import DEFAULT_LANES_FILE, Lane, LanesConfigError, load_lanes
+from tidegate.lanes import (
+    DEFAULT_LANES_FILE,
+    Lane,
+    LanesConfigError,
+    load_lanes,
+    load_service_tiers,
+)
 
 DATA_DIR = Path("data")
 
@@ -54,6 +60,14 @@ class Settings(BaseSettings):
     # A stream older than this ends with an `error` event (`reconnect`): the client
     # reconnects with Last-Event-ID (and may land on another API replica).
     sse_max_lifetime_s: float = Field(1800.0, gt=0)
+
+    # The Batch API (api/batches.py): an input file's size and lines at most, the jobs one
+    # batch keeps queued or running at once (its lines wait in the store, not in Redis),
+    # and how often the API's batch driver advances the open batches.
+    batch_max_file_bytes: int = Field(50 * 1024 * 1024, gt=0)
+    batch_max_lines: int = Field(10_000, gt=0)
+    batch_in_flight: int = Field(64, gt=0)
+    batch_poll_s: float = Field(1.0, gt=0)
 
     stream_maxlen: int = Field(10_000, gt=0)  # events kept per job stream (approximate trim)
     stream_ttl_s: int = Field(3600, gt=0)  # job stream lifetime after its terminal event
@@ -134,6 +148,11 @@ class Settings(BaseSettings):
     def lanes(self) -> dict[str, Lane]:
         return load_lanes(self.lanes_file)
 
+    @functools.cached_property
+    def service_tiers(self) -> dict[str, str]:
+        """OpenAI's `service_tier` -> lane, from the lanes file's [service_tiers]."""
+        return load_service_tiers(self.lanes_file, self.lanes)
+
 
 class SettingsError(SystemExit):
     """Raised at start when a setting is invalid; exits with a message naming it."""
@@ -144,6 +163,7 @@ def get_settings() -> Settings:
     try:
         settings = Settings()
         settings.lanes  # noqa: B018 - validate the lanes file at start, not on first job
+        settings.service_tiers  # noqa: B018
     except ValidationError as exc:
         err = exc.errors()[0]
         name = "TIDEGATE_" + str(err["loc"][0]).upper()

@@ -275,7 +275,7 @@ def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState
     s = payload.sampling
     return EngineRequest(
         request_id=payload.job_id, prompt=payload.prompt, max_tokens=remaining,
-        temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+        temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=s.stop,
         resume_token_ids=state.token_ids, session_id=payload.session_id, turn=payload.turn,
         lane=payload.lane, lora=payload.lora, shared_prefix_tokens=payload.shared_prefix_tokens,
         cache_salt=payload.cache_salt,

@@ -416,6 +416,8 @@ class SimEngine:
                               f"the maximum model length of {self.config.max_model_len}.")
         if request.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if request.stop:  # its tokens are a timing model's, not text worth stopping on
+            raise EngineError("the sim engine does not implement stop strings")
         max_new = min(request.max_tokens, room)
         blocks = self._kv.blocks_for(len(prompt_ids) + max_new)
         if blocks > len(self._kv.blocks):

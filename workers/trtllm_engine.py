@@ -369,7 +369,8 @@ class TrtllmEngine:
         ids = self._prompt_ids(request)
         params = SamplingParams(
             max_tokens=clamp_max_tokens(len(ids), request.max_tokens, self.config.max_model_len),
-            temperature=request.temperature, top_p=request.top_p, seed=sampling_seed(request))
+            temperature=request.temperature, top_p=request.top_p, seed=sampling_seed(request),
+            stop=list(request.stop) or None)
         result = self._llm.generate_async(
             ids, params, streaming=True,
             kv_cache_retention_config=self.retention_for(request))

@@ -190,6 +190,7 @@ class VllmEngine:
             temperature=request.temperature,
             top_p=request.top_p,
             seed=request.seed,
+            stop=list(request.stop) or None,
             output_kind=RequestOutputKind.DELTA,
             extra_args={"tidegate": self._kv_meta(request)},
         )

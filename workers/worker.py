@@ -35,7 +35,7 @@ from store import Store
 from tasks.recovery import restore_orphans
 from tidegate import keys, redisconn
 from tidegate.fleet import read_heartbeat
-from tidegate.lanes import pool_queue
+from tidegate.lanes import hosted_lanes, pool_queue
 from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
 from tidegate.settings import Settings
 from workers.engine import Engine, EngineDead
@@ -103,7 +103,7 @@ class Worker:
                                  redis=self.redis, publisher=publisher, host=host,
                                  lease_ttl_s=keys.lease_ttl_s(s.heartbeat_s),
                                  max_attempts=s.max_attempts, retry=Retrier(s.io_retry_s),
-                                 lanes=[self.lane], hold=self.hold)
+                                 lanes=list(hosted_lanes(s.lanes, self.lane)), hold=self.hold)
         CancelListener(self.redis, s.namespace, host).start()
 
     @property
@@ -261,7 +261,8 @@ class Worker:
         profile = self.settings.lanes[self.lane]
         stats = self.engine_stats()
         return Heartbeat(
-            name=self.name, state=self.state(), lanes=(self.lane,), pool=self.pool,
+            name=self.name, state=self.state(),
+            lanes=hosted_lanes(self.settings.lanes, self.lane), pool=self.pool,
             slots=self.settings.engine_slots, queues=(self.pool_queue, self.direct_queue),
             consuming=tuple(sorted(self.consumed())), model=str(self.settings.model_path),
             dtype=profile.dtype,

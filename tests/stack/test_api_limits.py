@@ -20,7 +20,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from api.app import REDIS_SPARE_CONNECTIONS
+from api.deps import REDIS_SPARE_CONNECTIONS
 from store import Store
 from tasks.app import queue_lengths
 from tests.helpers import api_of_its_own, metric

@@ -15,7 +15,8 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.app import FLEET_CACHE_S, create_app
+from api.app import create_app
+from api.deps import FLEET_CACHE_S
 from store import Store, upgrade
 from tasks.app import queue_lengths
 from tests.helpers import metric

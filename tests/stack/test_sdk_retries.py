@@ -14,8 +14,8 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from api.app import FLEET_CACHE_S
 from api.client import Client, TidegateError
+from api.deps import FLEET_CACHE_S
 from store import Store
 from tests.helpers import in_process_api
 from tests.stack.test_api_validation import advertise_worker

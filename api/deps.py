@@ -1,0 +1,219 @@
+"""What the API's routes share: the dependencies built once at startup (Deps), and the
+steps of a job's life that more than one front door takes (the jobs API, api/app.py; the
+OpenAI-compatible one, api/openai_routes.py): reading a body and its headers, admitting a
+submit, cancelling, a job as JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
+from typing import Any
+
+import redis as syncredis
+from celery import Celery
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from api.admission import Admission, RecentLanes, StreamSlots
+from api.auth import tenant_for_key
+from api.errors import ApiError, malformed, not_found
+from api.metrics import ApiMetrics, FleetCollector
+from api.prompts import PromptRenderer
+from api.schemas import JobAccepted, JobRequest
+from api.submit import submit as submit_job
+from scheduler.router import WorkerView
+from store import Store
+from tasks.app import make_app
+from tidegate import keys, redisconn
+from tidegate.events import Event
+from tidegate.fleet import read_fleet
+from tidegate.records import JobStatus
+from tidegate.settings import Settings
+
+# Submits run on a few threads of their own, most urgent lane first (api/admission.py):
+# enough to overlap their store and broker round trips, few enough that the queue orders.
+SUBMIT_THREADS = 4
+UNKNOWN_LANE_RANK = 100.0
+RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
+FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
+# Redis connections beyond one per SSE stream: the metrics follower, readiness, cancels.
+REDIS_SPARE_CONNECTIONS = 8
+REDIS_POOL_WAIT_S = 5.0  # a command waits this long for a free connection, then 503s
+# Headers: the idempotency key fits the store's column; an API key is 46 characters.
+VISIBLE_ASCII = re.compile(r"[\x21-\x7e]+")
+PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]*")
+MAX_IDEMPOTENCY_KEY = 255
+MAX_AUTHORIZATION = 1024
+JOB_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")  # uuid4 strings; anything else is no job
+# The ids the OpenAI-compatible API gives a job's completion: the job's id behind a prefix.
+COMPLETION_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+
+
+class Deps:
+    """What the handlers share; built once at startup."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.store = Store(settings.db_url)
+        # Each SSE stream holds a connection while its read blocks (up to a keep-alive
+        # period: the socket timeout is longer). The pool is bounded, so streams can never
+        # take the connections Redis has for the workers; the stream cap keeps it unspent.
+        self.redis: Any = redisconn.async_client(
+            settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
+            pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10)
+        self.sync_redis = redisconn.sync_client(settings.redis_url)  # handler threads
+        self.celery: Celery = make_app(settings)
+        self.prompts = PromptRenderer(settings.model_path)
+        self.metrics = ApiMetrics()
+        self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
+        self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
+        self.metrics.sse_streams.set_function(self.streams.open)
+        self.recent_lanes = RecentLanes(RECENT_JOBS)
+        self.metrics.registry.register(FleetCollector(
+            lambda: read_fleet(self.sync_redis, settings.namespace)))
+        self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
+        self._fleet_lock = threading.Lock()
+
+    def fleet(self) -> list[WorkerView]:
+        """Worker heartbeats, read at most every FLEET_CACHE_S: heartbeats change every
+        `heartbeat_s`, and a SCAN per submit was a large share of the API's time."""
+        with self._fleet_lock:
+            read_at, views = self._fleet
+            if time.monotonic() - read_at > FLEET_CACHE_S:
+                views = [WorkerView.from_heartbeat(hb)
+                         for hb in read_fleet(self.sync_redis, self.settings.namespace)]
+                self._fleet = (time.monotonic(), views)
+            return views
+
+
+async def json_body(request: Request, deps: Deps) -> Any:
+    limit = deps.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "body", f"body: not valid JSON ({exc})") from None
+    except RecursionError:  # arrays nested thousands deep
+        raise ApiError(400, "body", "body: nested too deeply") from None
+
+
+async def check_headers(request: Request) -> None:
+    """The headers any route reads, checked before it runs: a value of the wrong shape is
+    a 400 naming the header, never a 500 from the store or Redis further on.
+    Last-Event-ID, read by one route, is checked there (`_resume_after`)."""
+    key = request.headers.get("idempotency-key")
+    if key is not None and not (len(key) <= MAX_IDEMPOTENCY_KEY and VISIBLE_ASCII.fullmatch(key)):
+        raise malformed("idempotency-key", f"idempotency-key: 1 to {MAX_IDEMPOTENCY_KEY} "
+                        "visible ASCII characters")
+    auth = request.headers.get("authorization")
+    if auth is not None and not (len(auth) <= MAX_AUTHORIZATION
+                                 and PRINTABLE_ASCII.fullmatch(auth)):
+        raise malformed("authorization", "authorization: expected `Bearer <API key>` in "
+                        f"at most {MAX_AUTHORIZATION} printable ASCII characters")
+
+
+def check_job_id(path_id: str) -> str:
+    """The job a path's id names (a job's id, or a completion's: `chatcmpl-<job id>`). An
+    id no job can have is a 404 without a store lookup (a NUL in it is an error on
+    PostgreSQL, not a miss)."""
+    job_id = job_id_of(path_id)
+    if not JOB_ID.fullmatch(job_id):
+        raise not_found("job")
+    return job_id
+
+
+def lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) -> tuple[float, ...]:
+    """A submit's or a stream opening's place among the waiting ones: by its lane's cpu_nice
+    (the lane that yields the hosts' CPU to the others yields the API's too), then by job
+    priority, then in arrival order."""
+    lane = deps.settings.lanes.get(lane_name or "")
+    if lane is None:
+        return (UNKNOWN_LANE_RANK,)  # a 400 to come, or a job this process did not submit
+    return (lane.cpu_nice, -(lane.default_priority if priority is None else priority))
+
+
+def admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobAccepted:
+    """The submit's blocking part, on an admission thread: the key's tenant, then
+    api/submit.py."""
+    accepted = submit_job(deps, tenant_for_key(deps.store, key), req, header_key)
+    deps.recent_lanes.add(accepted.job_id, accepted.lane)
+    return accepted
+
+
+def cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
+    """Cancel the job, however often asked: a job that had already ended (by an earlier
+    DELETE too) comes back as it is, 200; the effects that are safe to repeat are."""
+    job = deps.store.cancel_job(job_id, tenant_id)
+    if job is None:
+        raise not_found("job")
+    if job.status != JobStatus.CANCELLED:
+        return job  # it had ended otherwise: nothing to cancel
+    client = deps.sync_redis
+    ns = deps.settings.namespace
+    client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
+    client.publish(keys.cancel_channel(ns), job_id)
+    if job.started_at is None:  # no worker will ever run it: end its stream here
+        end_unstarted(deps, job_id)
+    return job
+
+
+def end_unstarted(deps: Deps, job_id: str) -> None:
+    """The end event of a job cancelled before any worker took it, at seq 0, written on
+    every DELETE: Redis refuses a second entry with that id, which makes a repeated DELETE
+    harmless (as in workers/publisher.py) and lets one repair a first whose write failed."""
+    key = keys.job_events(deps.settings.namespace, job_id)
+    done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
+    pipe = deps.sync_redis.pipeline(transaction=True)
+    pipe.xadd(key, done.stream_fields(), id=keys.stream_id(0))  # type: ignore[arg-type]
+    pipe.expire(key, deps.settings.stream_ttl_s)
+    added, _ = pipe.execute(raise_on_error=False)
+    if isinstance(added, syncredis.ResponseError) and "equal or smaller" not in str(added):
+        raise added
+
+
+def job_json(job: Any) -> dict[str, Any]:
+    body = asdict(job)
+    body.pop("tenant_id", None)
+    body.pop("idempotency_key", None)
+    for name, value in body.items():
+        if hasattr(value, "isoformat"):
+            body[name] = value.isoformat()
+    return body
+
+
+def job_id_of(path_id: str) -> str:
+    """The job a path's id names: a job id, or a completion's id (`chatcmpl-<job id>`)."""
+    for prefix in COMPLETION_ID_PREFIXES:
+        if path_id.startswith(prefix):
+            return path_id[len(prefix):]
+    return path_id
+
+
+class EventStream(StreamingResponse):
+    """An SSE answer holding its stream slot (api/admission.py StreamSlots) until it is
+    done, however it ends: the events ran out, the client went away, an error."""
+
+    def __init__(self, body: AsyncIterator[bytes], give_back: Callable[[], None],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                  **(headers or {})})
+        self.give_back = give_back
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.give_back()

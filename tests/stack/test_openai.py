@@ -1,0 +1,192 @@
+"""The official `openai` SDK, unchanged, against the real stack (API, Celery workers
+hosting vLLM on CPU, Redis, the store): chat and text completions, sync and async,
+streaming and not; service tiers choosing lanes; a completion is a job; a client that
+leaves cancels its job; the Batch API from upload to output file; rate limits."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import Stack, make_tenant
+from tidegate_tools.procs import wait_until
+
+MODEL = "tidegate-test"
+USER = [{"role": "user", "content": "Summarise the refund policy in one line."}]
+
+
+@pytest.fixture(scope="module")
+def key(stack: Stack) -> str:
+    _, api_key = make_tenant(stack.store, "openai-sdk", ["finance", "chat", "batch"])
+    return api_key
+
+
+def sdk(stack: Stack, key: str, **options: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=key, max_retries=0,
+                         timeout=120, **options)
+
+
+def job_of(stack: Stack, completion_id: str, key: str) -> dict[str, Any]:
+    """GET /v1/jobs/{id} with the completion's own id."""
+    resp = httpx.get(f"{stack.base_url}/v1/jobs/{completion_id}", timeout=10,
+                     headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_chat_completion_is_a_job_on_the_tiers_lane(stack: Stack, key: str) -> None:
+    done = sdk(stack, key).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=12, temperature=0, service_tier="priority")
+    assert done.id.startswith("chatcmpl-") and done.object == "chat.completion"
+    assert done.service_tier == "priority"
+    choice = done.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert done.usage is not None and done.usage.completion_tokens > 0
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    assert done.usage.prompt_tokens_details is not None
+    job = job_of(stack, done.id, key)
+    assert job["lane"] == "finance" and job["status"] == "done"
+    assert job["output_text"] == choice.message.content
+    assert job["completion_tokens"] == done.usage.completion_tokens
+
+
+def test_a_streamed_chat_completion_sends_the_jobs_tokens_then_usage(stack: Stack,
+                                                                     key: str) -> None:
+    stream = sdk(stack, key).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    ends = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(ends) == 1
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and last.usage.completion_tokens > 0
+    job = job_of(stack, chunks[0].id, key)
+    assert job["lane"] == "chat" and job["output_text"] == text
+
+
+def test_the_async_client_streams_and_completes_text(stack: Stack, key: str) -> None:
+    async def run() -> tuple[Any, str, str]:
+        async with openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key=key,
+                                      max_retries=0, timeout=120) as client:
+            whole = await client.completions.create(model="finance", prompt="The invoice",
+                                                    max_tokens=8, temperature=0, seed=7)
+            stream = await client.completions.create(model="finance", prompt="The invoice",
+                                                     max_tokens=8, temperature=0, seed=7,
+                                                     stream=True)
+            streamed = "".join([c.choices[0].text async for c in stream])
+            return whole, whole.choices[0].text, streamed
+
+    whole, text, streamed = asyncio.run(run())
+    assert whole.id.startswith("cmpl-") and whole.object == "text_completion"
+    assert text and streamed == text  # greedy: the same prompt, the same tokens
+    assert job_of(stack, whole.id, key)["lane"] == "finance"  # `model` named the lane
+
+
+def test_stop_ends_the_output_before_the_stop_string(stack: Stack, key: str) -> None:
+    client = sdk(stack, key)
+    free = client.completions.create(model=MODEL, prompt="The invoice", max_tokens=24,
+                                     temperature=0)
+    text = free.choices[0].text
+    stop = text.strip()[4:8] if len(text.strip()) >= 8 else None
+    if not stop:
+        pytest.skip("the test model's greedy output is too short to stop inside")
+    cut = client.completions.create(model=MODEL, prompt="The invoice", max_tokens=24,
+                                    temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert stop not in cut.choices[0].text and text.startswith(cut.choices[0].text)
+
+
+def test_a_client_that_leaves_a_stream_cancels_its_job(stack: Stack, key: str) -> None:
+    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body,
+                      headers={"Authorization": f"Bearer {key}"}, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        completion_id = json.loads(first.removeprefix("data: "))["id"]
+    wait_until(lambda: job_of(stack, completion_id, key)["status"] == "cancelled", 30,
+               "the job of the stream its client left to be cancelled")
+
+
+def test_a_rate_limited_tenant_gets_the_sdks_rate_limit_error(stack: Stack) -> None:
+    record, limited = stack.store.create_tenant("openai-limited", ["chat"],
+                                                requests_per_minute=1)
+    client = sdk(stack, limited)
+    client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as caught:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    assert int(caught.value.response.headers["retry-after"]) > 0
+    assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
+    assert len(stack.store.list_jobs(record.id)) == 1
+
+
+def batch_lines() -> bytes:
+    good = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": MODEL, "max_tokens": 6, "temperature": 0,
+                      "messages": [{"role": "user", "content": f"Order {i}: where is it?"}]}}
+            for i in range(3)]
+    bad = [{"custom_id": "bad-n", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": MODEL, "messages": USER, "n": 3}}]
+    lines = [json.dumps(item) for item in (*good[:2], *bad, good[2])]
+    return ("\n".join([*lines, "this is not json"]) + "\n").encode()
+
+
+def test_a_batch_runs_every_line_and_reports_the_bad_ones(stack: Stack, key: str) -> None:
+    client = sdk(stack, key)
+    upload = client.files.create(file=("orders.jsonl", io.BytesIO(batch_lines())),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"crm": "orders"})
+    assert batch.status == "validating" and batch.request_counts.total == 5  # type: ignore[union-attr]
+
+    def ended() -> bool:
+        nonlocal batch
+        batch = client.batches.retrieve(batch.id)
+        return batch.status in ("completed", "failed", "cancelled", "expired")
+
+    wait_until(ended, 180, "the batch to complete", stack.procs, poll_s=0.5)
+    assert batch.status == "completed" and batch.metadata == {"crm": "orders"}
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (3, 2)
+    assert batch.output_file_id and batch.error_file_id
+    output = [json.loads(line) for line in
+              client.files.content(batch.output_file_id).text.splitlines()]
+    assert sorted(o["custom_id"] for o in output) == ["req-0", "req-1", "req-2"]
+    for line in output:
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+        job = job_of(stack, body["id"], key)
+        assert job["lane"] == "batch" and job["output_text"] == body["choices"][0]["message"][
+            "content"]
+    errors = [json.loads(line) for line in
+              client.files.content(batch.error_file_id).text.splitlines()]
+    by_id = {e["custom_id"]: e for e in errors}
+    assert by_id["bad-n"]["response"]["body"]["error"]["param"] == "n"
+    assert by_id[None]["response"]["status_code"] == 400  # the line that is not JSON
+    listed = [b.id for b in client.batches.list(limit=10)]
+    assert batch.id in listed
+
+
+def test_a_cancelled_batch_cancels_its_jobs_and_ends_cancelled(stack: Stack, key: str) -> None:
+    client = sdk(stack, key)
+    long = [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": MODEL, "max_tokens": 250, "messages": USER}} for i in range(4)]
+    body = "".join(json.dumps(item) + "\n" for item in long).encode()
+    upload = client.files.create(file=("long.jsonl", io.BytesIO(body)), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")
+    assert client.batches.cancel(batch.id).status == "cancelling"
+    wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", 120,
+               "the cancelled batch to end", stack.procs, poll_s=0.5)
+    final = client.batches.retrieve(batch.id)
+    assert final.cancelled_at is not None and final.request_counts is not None
+    assert final.request_counts.completed < 4
