@@ -51,6 +51,7 @@ lint: venv
 bench: venv model
 	$(PY) bench/e2e.py
 	$(PY) bench/lanes.py
+	$(PY) bench/tiers.py
 	$(PY) bench/coldstart.py
 	$(PY) bench/peak.py
 	$(PY) bench/kv.py

@@ -274,14 +274,18 @@ def tidegate_session(base: str, key: str) -> Session:
 
 
 def measure_tidegate(tmp: Path, workers: Mapping[str, str], slots: int, load: LoadFn,
-                     postgresql: bool = False) -> tuple[list[Round], dict[str, str]]:
+                     postgresql: bool = False,
+                     session: Callable[[str, str], Session] | None = None,
+                     ) -> tuple[list[Round], dict[str, str]]:
+    """The load on a tidegate stack; `session` (base URL, API key -> a Session): how the
+    requests go in (default: the SDK, POST /v1/jobs and SSE)."""
     store = "PostgreSQL" if postgresql else "SQLite"
     log(f"tidegate: starting Redis, {store}, workers {dict(workers)} ({slots} slots each), API")
     start = time.monotonic()
     with tidegate_stack(tmp, workers, slots, postgresql=postgresql) as (base, key, procs):
         log(f"tidegate: ready in {time.monotonic() - start:.0f} s")
         info = {"load_before": load_average()}
-        rounds = asyncio.run(watched(load(tidegate_session(base, key)), info))
+        rounds = asyncio.run(watched(load((session or tidegate_session)(base, key)), info))
         alive = {p.name: p.alive() for p in procs}
         worker_logs = [p.log_path for p in procs if p.name.startswith("worker:")]
     if not all(alive.values()):
