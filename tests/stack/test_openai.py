@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import uuid
 from typing import Any
 
 import httpx
@@ -190,3 +191,25 @@ def test_a_cancelled_batch_cancels_its_jobs_and_ends_cancelled(stack: Stack, key
     final = client.batches.retrieve(batch.id)
     assert final.cancelled_at is not None and final.request_counts is not None
     assert final.request_counts.completed < 4
+
+
+def test_a_conversation_hits_the_same_prefix_cache_through_either_api(stack: Stack,
+                                                                      key: str) -> None:
+    """The same messages through POST /v1/jobs, then through /v1/chat/completions: one
+    rendering, one tenant's cache salt, so the second finds the first's prefix cached."""
+    from api.client import Client
+
+    # New to the engine, and several KV blocks long whatever the block size (128 on CPU).
+    system = f"Ledger {uuid.uuid4().hex}. " + "Revenue rose while invoice totals fell. " * 60
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": "Summarise the ledger."}]
+    with Client(stack.base_url, key) as client:
+        job_id = client.submit("chat", messages=messages, max_tokens=1)["job_id"]
+        assert list(client.stream(job_id))[-1].kind == "done"
+    first = stack.store.get_job(job_id)
+    done = sdk(stack, key).chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                                   max_tokens=1)
+    assert first is not None and first.prompt_tokens >= 512
+    assert done.usage is not None and done.usage.prompt_tokens == first.prompt_tokens
+    details = done.usage.prompt_tokens_details
+    assert details is not None and (details.cached_tokens or 0) >= 256

@@ -20,7 +20,9 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from store import Store, upgrade
 from tests.stack.test_api_validation import advertise_worker, nothing_enqueued
+from tidegate import keys
 from tidegate.settings import Settings
+from tidegate_tools.procs import wait_until
 
 USER = [{"role": "user", "content": "Where is my parcel?"}]
 
@@ -147,3 +149,60 @@ def test_bad_files_and_batches_are_refused_naming_the_field(api: Api) -> None:
                            completion_window="24h")
     assert caught.value.param == "input_file_id"
     assert nothing_enqueued(api.store, api.redis)
+
+
+def advertise_chat_worker(client: redis.Redis, settings: Settings) -> None:
+    """A chat worker's heartbeat, as one that also runs the batch lane writes it."""
+    body = {"name": "chat-batch@test", "state": "active", "lanes": ["chat", "batch"],
+            "pool": "vllm", "engine": "vllm", "slots": 4, "kv_cache_dtype": "fp8",
+            "dtype": "float16", "stats": {}}
+    client.set(keys.worker_heartbeat(settings.namespace, "chat-batch@test"), json.dumps(body))
+
+
+def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Path,
+                                              tmp_root: Path) -> None:
+    """A batch's state is in the store: the process that took it goes away, a worker ends
+    its jobs, and a new API process finishes the batch and writes its output file."""
+    url = f"sqlite:///{tmp_root / 'openai-restart.db'}"
+    upgrade(url)
+    redis_url = redis_server.rsplit("/", 1)[0] + "/4"
+    settings = Settings(redis_url=redis_url, database_url=url, batch_poll_s=0.05)
+    store = Store(url)
+    tenant, key = store.create_tenant("batch-restart", ["chat", "batch"])
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    advertise_chat_worker(client, settings)
+    lines = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                "url": "/v1/chat/completions",
+                                "body": {"model": "chat", "messages": USER, "max_tokens": 2}})
+                    + "\n" for i in range(2)).encode()
+    try:
+        with TestClient(create_app(settings)) as http:  # the first API process
+            sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http,
+                                max_retries=0)
+            upload = sdk.files.create(file=("in.jsonl", io.BytesIO(lines)), purpose="batch")
+            batch = sdk.batches.create(input_file_id=upload.id,
+                                       endpoint="/v1/chat/completions", completion_window="24h")
+            wait_until(lambda: len(store.list_jobs(tenant.id)) == 2, 20,
+                       "the first process to submit the batch's lines")
+        jobs = store.list_jobs(tenant.id)
+        assert {job.lane for job in jobs} == {"batch"} and all(j.priority == 0 for j in jobs)
+        for job in jobs:  # what a worker does with them, while no API process runs
+            store.claim_job(job.id, "chat-batch@test", "vllm")
+            store.finish_job(job.id, "done", finish_reason="length", output_text="on its way",
+                             completion_tokens=2)
+        with TestClient(create_app(settings)) as http:  # a new API process
+            sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http,
+                                max_retries=0)
+            wait_until(lambda: sdk.batches.retrieve(batch.id).status == "completed", 20,
+                       "the new process to complete the batch")
+            done = sdk.batches.retrieve(batch.id)
+            assert done.output_file_id is not None and done.error_file_id is None
+            out = [json.loads(line) for line in
+                   sdk.files.content(done.output_file_id).text.splitlines()]
+        assert sorted(o["custom_id"] for o in out) == ["r0", "r1"]
+        assert {o["response"]["body"]["choices"][0]["message"]["content"] for o in out} == {
+            "on its way"}
+        assert len(store.list_jobs(tenant.id)) == 2  # no line was submitted twice
+    finally:
+        client.flushdb()
