@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from api import batches, listing, openai_routes, openapi
+from api import batches, listing, openai_routes, openapi, webhook_routes
 from api.auth import authenticate, bearer_key, tenant_for_key
 from api.deps import (
     Deps,
@@ -82,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _routes(app, deps)
     openai_routes.install(app, deps)
     batches.install(app, deps, batch_store)
+    webhook_routes.install(app, deps)
     _ops_routes(app, deps)
     openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
     return app

@@ -21,6 +21,7 @@ class Tenant:
     lanes: frozenset[str]
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
+    webhook_url: str | None = None  # its jobs' default callback_url
 
 
 async def authenticate(store: Store, request: Request) -> Tenant:
@@ -79,6 +80,7 @@ def tenant_for_key(store: Store, key: str) -> Tenant:
         raise unauthorized("authorization: unknown or revoked API key")
     tenant = Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
                     requests_per_minute=record.requests_per_minute,
-                    tokens_per_minute=record.tokens_per_minute)
+                    tokens_per_minute=record.tokens_per_minute,
+                    webhook_url=record.webhook_url)
     _known.put(digest, tenant)
     return tenant

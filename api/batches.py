@@ -312,7 +312,8 @@ class Driver:
             return None
         return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
                       requests_per_minute=record.requests_per_minute,
-                      tokens_per_minute=record.tokens_per_minute)
+                      tokens_per_minute=record.tokens_per_minute,
+                      webhook_url=record.webhook_url)
 
     def lines(self, b: BatchRecord) -> list[Line]:
         if b.id not in self._lines:

@@ -47,6 +47,8 @@ class JobRequest(BaseModel):
     deadline_s: float | None = Field(None, gt=0)  # default and cap: the lane's deadline
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
     lora: str | None = Field(None, min_length=1, max_length=128)  # a LoRA adapter's name
+    # Where the job's end is POSTed, signed (tasks/webhooks.py); default: the tenant's.
+    callback_url: str | None = Field(None, min_length=1, max_length=2048)
     # Strings that end the output (left out of it), as OpenAI's `stop`.
     stop: list[str] = Field(default_factory=list, max_length=4)
 

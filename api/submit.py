@@ -33,6 +33,7 @@ from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from scheduler import router
 from store import JobRecord, SessionOwnerError, SessionRecord, Store
+from tasks import webhooks
 from tasks.app import queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import hot, keys
@@ -96,6 +97,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
 def check(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
           header_key: str | None) -> Checked:
     lane = _check_lane(deps, tenant, req)
+    _check_callback(deps, req)
     prompt = deps.prompts.render(req)
     prompt_tokens = deps.prompts.count(prompt)
     _check_prompt(deps, lane, req, prompt_tokens)
@@ -121,6 +123,16 @@ def _check_lane(deps: SubmitDeps, tenant: Tenant, req: JobRequest) -> Lane:
         raise bad_request("deadline_s", f"deadline_s: {req.deadline_s} is above the limit of "
                           f"lane {lane.name!r} ({lane.deadline_s})")
     return lane
+
+
+def _check_callback(deps: SubmitDeps, req: JobRequest) -> None:
+    """What the URL policy can say without DNS (a delivery checks the addresses too)."""
+    if req.callback_url is None:
+        return
+    try:
+        webhooks.check_url(req.callback_url, deps.settings)
+    except webhooks.UrlRefused as exc:
+        raise bad_request("callback_url", f"callback_url: {exc}") from None
 
 
 def _check_prompt(deps: SubmitDeps, lane: Lane, req: JobRequest, prompt_tokens: int) -> None:
@@ -208,7 +220,8 @@ def persist(deps: SubmitDeps, checked: Checked, decision: router.Route,
             payload.job_id, checked.tenant.id, req.lane, decision.queue, checked.priority,
             req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
             idempotency_key=checked.idempotency_key, lora=req.lora,
-            route_reason=decision.reason, payload=payload.to_dict())
+            route_reason=decision.reason, payload=payload.to_dict(),
+            callback_url=req.callback_url or checked.tenant.webhook_url)
     except SessionOwnerError:
         # Another tenant took the session id after check() read it. The transaction
         # rolled back with it: there is no row to take back.

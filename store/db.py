@@ -38,6 +38,7 @@ from store.models import (
     Tenant,
     TrafficSample,
     UTCDateTime,
+    WebhookDelivery,
 )
 from store.records import (
     JobRecord,
@@ -106,7 +107,8 @@ def _tpot_ms(
 def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: int,
                 session_id: str | None, sampling: dict[str, Any], prompt_tokens: int,
                 idempotency_key: str | None, lora: str | None,
-                route_reason: str | None, payload: dict[str, Any] | None) -> Job:
+                route_reason: str | None, payload: dict[str, Any] | None,
+                callback_url: str | None = None) -> Job:
     return Job(
         id=job_id,
         tenant_id=tenant_id,
@@ -123,7 +125,20 @@ def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: in
         lora=lora,
         route_reason=route_reason,
         payload=dict(payload) if payload is not None else None,
+        callback_url=callback_url,
     )
+
+
+def _ended(session: Session, job: Job) -> None:
+    """The job's end is written (its finished_at, for the first time): its webhook, if it
+    has one, goes into the outbox in the same transaction, so an ended job's webhook is
+    never lost and never sent for a job that did not end (tasks/webhooks.py sends it)."""
+    if job.callback_url:
+        now = utcnow()
+        session.add(WebhookDelivery(id=f"msg_{secrets.token_hex(12)}", job_id=job.id,
+                                    tenant_id=job.tenant_id, url=job.callback_url,
+                                    status="pending", attempts=0, next_attempt_at=now,
+                                    created_at=now))
 
 
 class Store:
@@ -223,6 +238,7 @@ class Store:
         lora: str | None = None,
         route_reason: str | None = None,
         payload: dict[str, Any] | None = None,
+        callback_url: str | None = None,
     ) -> tuple[JobRecord, bool, int]:
         """Write a queued job and count its session's turn (0 without a session) in one
         transaction; returns (job, created, turn).
@@ -241,7 +257,8 @@ class Store:
             if existing is not None:
                 return existing, False, 0
         row = _queued_job(job_id, tenant_id, lane, queue, priority, session_id, sampling,
-                          prompt_tokens, idempotency_key, lora, route_reason, payload)
+                          prompt_tokens, idempotency_key, lora, route_reason, payload,
+                          callback_url)
         return self._insert_job(row, turn_of=session_id)
 
     def _insert_job(self, row: Job, turn_of: str | None) -> tuple[JobRecord, bool, int]:
@@ -399,6 +416,7 @@ class Store:
             job = self._locked_job(session, job_id)
             if job is None or (job.status in TERMINAL_STATUSES and job.status not in _STOPPED):
                 return False
+            was_open = job.finished_at is None
             active = job.status in ACTIVE_STATUSES
             for name, value in values.items():
                 if value is not None and (active or getattr(job, name) is None):
@@ -408,6 +426,8 @@ class Store:
             job.payload = None
             if active:
                 job.status = status
+            if was_open:
+                _ended(session, job)
             return active
 
     def cancel_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
@@ -421,11 +441,14 @@ class Store:
             job = self._locked_job(session, job_id)
             if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
                 return None
-            if job.status == QUEUED:
+            ends_here = job.status == QUEUED  # a running job's worker (or reconciler) ends it
+            if ends_here:
                 job.finished_at = utcnow()
                 job.payload = None
             if job.status in ACTIVE_STATUSES:
                 job.status = CANCELLED
+            if ends_here:
+                _ended(session, job)
             session.flush()
             return job_record(job)
 
@@ -439,15 +462,13 @@ class Store:
 
     def expire_job(self, job_id: str) -> bool:
         """A queued or running job whose deadline passed becomes expired; True when it did."""
-        stmt = (
-            update(Job)
-            .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
-            .values(status=EXPIRED, finished_at=utcnow(), payload=None)
-            .returning(Job.id)
-            .execution_options(synchronize_session=False)
-        )
         with self._write() as session:
-            return session.scalar(stmt) is not None
+            job = self._locked_job(session, job_id)
+            if job is None or job.status not in ACTIVE_STATUSES:
+                return False
+            job.status, job.finished_at, job.payload = EXPIRED, utcnow(), None
+            _ended(session, job)
+            return True
 
     def unended_jobs(self, enqueued_before: datetime, limit: int) -> list[JobRecord]:
         """Jobs accepted before `enqueued_before` and not ended yet (no finished_at: queued,

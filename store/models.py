@@ -87,6 +87,8 @@ class Tenant(Base):
     # Per-minute limits; None is unlimited. Enforced by the API with Redis counters.
     requests_per_minute: Mapped[int | None] = mapped_column(Integer)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    # Where the tenant's jobs without a callback_url of their own report their end.
+    webhook_url: Mapped[str | None] = mapped_column(String(2048))
 
 
 class Job(Base):
@@ -145,6 +147,8 @@ class Job(Base):
     # again from here (scheduler/reconcile.py). Cleared when the job ends (finished_at set):
     # prompts are not kept after that.
     payload: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    # Where the job's end is POSTed, signed (tasks/webhooks.py); None: no webhook.
+    callback_url: Mapped[str | None] = mapped_column(String(2048))
 
 
 class ChatSession(Base):
@@ -219,3 +223,51 @@ class Batch(Base):
     expired_at: Mapped[datetime | None]
     cancelling_at: Mapped[datetime | None]
     cancelled_at: Mapped[datetime | None]
+
+
+class WebhookSecret(Base):
+    """A tenant's signing secret. Rotating adds a new one and gives the old ones an end:
+    until then a webhook carries a signature by each (Standard Webhooks' overlap)."""
+
+    __tablename__ = "webhook_secrets"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    secret: Mapped[str] = mapped_column(String(128))  # whsec_<base64>
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime | None]
+
+
+class WebhookDelivery(Base):
+    """One job's end to deliver to one URL: written in the transaction that ends the job
+    (an outbox), sent by the scheduler's dispatcher to the webhook workers, retried with
+    backoff until delivered or a day has passed. Its id is the `webhook-id` header: a
+    receiver dedupes on it."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index(None, "status", "next_attempt_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str] = mapped_column(String(36), index=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    url: Mapped[str] = mapped_column(String(2048))
+    status: Mapped[str] = mapped_column(String(16))  # pending, sending, delivered, failed
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime]
+    created_at: Mapped[datetime]
+    delivered_at: Mapped[datetime | None]
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class WebhookAttempt(Base):
+    """One POST of a delivery, as the receiver answered it (or did not)."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[str] = mapped_column(ForeignKey("webhook_deliveries.id"), index=True)
+    attempt: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime]
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    duration_ms: Mapped[float] = mapped_column(Float)

@@ -39,6 +39,7 @@ class TenantRecord:
     revoked_at: datetime | None
     requests_per_minute: int | None = None  # None: unlimited
     tokens_per_minute: int | None = None
+    webhook_url: str | None = None  # the default callback_url of the tenant's jobs
 
     @property
     def active(self) -> bool:
@@ -74,6 +75,7 @@ class JobRecord:
     lora: str | None = None
     route_reason: str | None = None
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache (1st token)
+    callback_url: str | None = None  # where the job's end is POSTed (a webhook)
 
     @property
     def terminal(self) -> bool:
@@ -105,6 +107,7 @@ def tenant_record(tenant: Tenant) -> TenantRecord:
         revoked_at=tenant.revoked_at,
         requests_per_minute=tenant.requests_per_minute,
         tokens_per_minute=tenant.tokens_per_minute,
+        webhook_url=tenant.webhook_url,
     )
 
 

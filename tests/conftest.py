@@ -27,6 +27,8 @@ os.environ.update({
     "TIDEGATE_NAMESPACE": "tgtest",
     "TIDEGATE_HEARTBEAT_S": "0.5",
     "TIDEGATE_KV_CACHE_GIB": "1",
+    # The tests' webhook receivers listen on 127.0.0.1 (tests/stack/test_webhooks.py).
+    "TIDEGATE_WEBHOOK_ALLOW_PRIVATE": "true",
 })
 
 @pytest.fixture(scope="session")

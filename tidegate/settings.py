@@ -69,6 +69,20 @@ class Settings(BaseSettings):
     batch_in_flight: int = Field(64, gt=0)
     batch_poll_s: float = Field(1.0, gt=0)
 
+    # Webhooks (tasks/webhooks.py, `tidegate webhooks`): the URL policy, each POST's
+    # timeout, the first retry's delay (doubling, capped at an hour, with jitter), when a
+    # delivery gives up, the delivery threads, the dispatcher's period, and how long a
+    # rotated signing secret keeps signing beside the new one.
+    webhook_allow_private: bool = False
+    webhook_allow_hosts: str = ""  # comma-separated hosts allowed even on private addresses
+    webhook_deny_hosts: str = ""  # comma-separated hosts never called
+    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_backoff_s: float = Field(5.0, gt=0)
+    webhook_give_up_s: float = Field(86400.0, gt=0)
+    webhook_concurrency: int = Field(16, gt=0)
+    webhook_dispatch_s: float = Field(1.0, gt=0)
+    webhook_secret_overlap_s: float = Field(86400.0, ge=0)
+
     stream_maxlen: int = Field(10_000, gt=0)  # events kept per job stream (approximate trim)
     stream_ttl_s: int = Field(3600, gt=0)  # job stream lifetime after its terminal event
     # A lane's hot prefix (tenants' system prompts, tidegate/hot.py) is forgotten this

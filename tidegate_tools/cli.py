@@ -120,6 +120,29 @@ def _scheduler(args: argparse.Namespace) -> None:
     run_scheduler(args.loglevel)
 
 
+def _webhooks(args: argparse.Namespace) -> None:
+    from tasks.webhooks import run_webhook_worker
+
+    run_webhook_worker(args.loglevel)
+
+
+def _tenant_webhook(args: argparse.Namespace) -> None:
+    from store import Store
+    from store.webhooks import Webhooks
+    from tasks.webhooks import UrlRefused, check_url
+    from tidegate.settings import get_settings
+
+    settings = get_settings()
+    if args.url:
+        try:
+            check_url(args.url, settings)
+        except UrlRefused as exc:
+            raise SystemExit(f"tidegate tenant webhook: {args.url}: {exc}") from None
+    if not Webhooks(Store(settings.db_url)).set_tenant_url(args.name, args.url or None):
+        raise SystemExit(f"tidegate tenant webhook: no tenant {args.name!r}")
+    print(f"{args.name}: default callback_url {args.url or 'none'}")
+
+
 def _status(_: argparse.Namespace) -> None:
     from tidegate_tools.status import print_fleet
 
@@ -201,6 +224,9 @@ def _parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("scheduler", help="run the scheduler (Celery beat and its tasks)")
     sched.add_argument("--loglevel", default="INFO")
     sched.set_defaults(func=_scheduler)
+    hooks = sub.add_parser("webhooks", help="run a webhook delivery process (and dispatcher)")
+    hooks.add_argument("--loglevel", default="INFO")
+    hooks.set_defaults(func=_webhooks)
     return p
 
 
@@ -217,6 +243,11 @@ def _tenant_parser(sub: Any) -> None:
     r.add_argument("name")
     for name in ("create", "list", "revoke"):
         t.choices[name].set_defaults(func=_tenant)
+    w = t.add_parser("webhook", help="set (or, with no URL, clear) a tenant's default "
+                     "callback_url")
+    w.add_argument("name")
+    w.add_argument("url", nargs="?", default="")
+    w.set_defaults(func=_tenant_webhook)
 
 
 def _kv_parser(sub: Any) -> None:

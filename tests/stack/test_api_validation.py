@@ -34,7 +34,8 @@ def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[ApiUnde
     url = f"sqlite:///{tmp_root / 'validation.db'}"
     upgrade(url)
     redis_url = redis_server.rsplit("/", 1)[0] + "/1"
-    settings = Settings(redis_url=redis_url, database_url=url, max_body_bytes=64 * 1024)
+    settings = Settings(redis_url=redis_url, database_url=url, max_body_bytes=64 * 1024,
+                        webhook_deny_hosts="denied.example")
     store = Store(url)
     _, key = store.create_tenant("validation", ["chat"])
     client = redis.Redis.from_url(redis_url)
@@ -82,6 +83,10 @@ CASES = [
     ("no messages", {"lane": "chat", "max_tokens": 8}, None, 422, "messages"),
     ("empty messages", {**OK, "messages": []}, None, 422, "messages"),
     ("unknown lane", {**OK, "lane": "gold"}, None, 422, "lane"),
+    ("callback not http", {**OK, "callback_url": "ftp://crm.example.com/x"}, None, 422,
+     "callback_url"),
+    ("callback denied host", {**OK, "callback_url": "https://denied.example/x"}, None, 422,
+     "callback_url"),
     ("max_tokens zero", {**OK, "max_tokens": 0}, None, 422, "max_tokens"),
     ("max_tokens negative", {**OK, "max_tokens": -5}, None, 422, "max_tokens"),
     ("max_tokens above the lane", {**OK, "max_tokens": 257}, None, 422, "max_tokens"),

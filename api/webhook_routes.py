@@ -1,0 +1,53 @@
+"""The webhooks a producer can see and set: a job's deliveries with every attempt, and
+the tenant's signing secret (rotated, shown once). Delivery itself is tasks/webhooks.py."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from api.auth import authenticate
+from api.deps import Deps, check_headers, check_job_id
+from api.errors import not_found
+from store.webhooks import DeliveryRecord, Webhooks
+
+
+def install(app: FastAPI, deps: Deps) -> None:
+    hooks = Webhooks(deps.store)
+    hidden: dict[str, Any] = {"dependencies": [Depends(check_headers)],
+                              "include_in_schema": False}
+
+    @app.get("/v1/jobs/{job_id}/deliveries", **hidden)
+    async def deliveries(job_id: str, request: Request) -> JSONResponse:
+        tenant = await authenticate(deps.store, request)
+        job_id = check_job_id(job_id)
+        job = await asyncio.to_thread(deps.store.get_job, job_id, tenant.id)
+        if job is None:
+            raise not_found("job")
+        rows = await asyncio.to_thread(hooks.of_job, job_id, tenant.id)
+        return JSONResponse({"object": "list", "data": [delivery_json(d) for d in rows]})
+
+    @app.post("/v1/webhook-secret", **hidden)
+    async def rotate(request: Request) -> JSONResponse:
+        """A new signing secret, shown this once; the old ones sign beside it for
+        `TIDEGATE_WEBHOOK_SECRET_OVERLAP_S`, so receivers can switch without a gap."""
+        tenant = await authenticate(deps.store, request)
+        overlap = timedelta(seconds=deps.settings.webhook_secret_overlap_s)
+        secret = await asyncio.to_thread(hooks.rotate_secret, tenant.id, overlap)
+        return JSONResponse({"secret": secret, "previous_valid_for_s": overlap.total_seconds()})
+
+
+def delivery_json(d: DeliveryRecord) -> dict[str, Any]:
+    def at(value: datetime | None) -> str | None:
+        return value.isoformat() if value is not None else None
+
+    return {"id": d.id, "url": d.url, "status": d.status, "attempts": d.attempts,
+            "created_at": at(d.created_at), "delivered_at": at(d.delivered_at),
+            "next_attempt_at": at(d.next_attempt_at) if d.status == "pending" else None,
+            "last_error": d.last_error,
+            "log": [{"attempt": a.attempt, "at": at(a.at), "status_code": a.status_code,
+                     "error": a.error, "duration_ms": round(a.duration_ms, 1)} for a in d.log]}
