@@ -15,7 +15,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -349,3 +349,11 @@ class AsyncClient:
         await self.http.aclose()
 
 
+def verify_webhook(secret: str, body: bytes | str, headers: Mapping[str, str]) -> dict[str, Any]:
+    """A tidegate webhook's event ({"type", "timestamp", "data"}) once its signature and
+    timestamp check out against `secret` (any of the secrets live when it was sent);
+    raises standardwebhooks' WebhookVerificationError otherwise."""
+    from standardwebhooks.webhooks import Webhook
+
+    lowered = {name.lower(): value for name, value in headers.items()}
+    return dict(Webhook(secret).verify(body, lowered))
