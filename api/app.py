@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-from api import batches, listing, openai_routes, openapi, webhook_routes
-from api.auth import authenticate, bearer_key, tenant_for_key
+from api import admin, batches, listing, openai_routes, openapi, webhook_routes
+from api.auth import authenticate, bearer_key, follow_changes, tenant_for_key
 from api.deps import (
     Deps,
     EventStream,
@@ -68,7 +68,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
         follower = asyncio.create_task(deps.metrics.follow(deps.redis, settings.namespace))
         driver = asyncio.create_task(batches.Driver(deps, batch_store).run())
+        auth_changes = asyncio.create_task(follow_changes(deps.redis, settings.namespace))
         yield
+        auth_changes.cancel()
         driver.cancel()
         follower.cancel()
         deps.admission.close()
@@ -83,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     openai_routes.install(app, deps)
     batches.install(app, deps, batch_store)
     webhook_routes.install(app, deps)
+    admin.install(app, deps)
     _ops_routes(app, deps)
     openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
     return app

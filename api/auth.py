@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
 from api.errors import unauthorized
 from store import Store
+from tidegate import keys
+
+log = logging.getLogger("tidegate.api")
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,10 @@ class _KnownKeys:
             return None
         return hit[1]
 
+    def clear(self) -> None:
+        with self._lock:
+            self._seen.clear()
+
     def put(self, digest: str, tenant: Tenant) -> None:
         with self._lock:
             if len(self._seen) >= KEY_CACHE_MAX:
@@ -67,6 +76,29 @@ class _KnownKeys:
 
 
 _known = _KnownKeys()
+
+
+def announce_change(client: Any, namespace: str) -> None:
+    """A key or tenant changed (revoked, rotated, its lanes or limits): this process and,
+    through Redis, every other API process forget the keys they had found valid."""
+    _known.clear()
+    client.publish(keys.auth_changed_channel(namespace), "1")
+
+
+async def follow_changes(client: Any, namespace: str) -> None:
+    """Forget the valid keys whenever another process announces a change (runs until
+    cancelled). A lost message costs at most KEY_CACHE_S: the cache's own limit."""
+    while True:
+        try:
+            async with client.pubsub() as pubsub:
+                await pubsub.subscribe(keys.auth_changed_channel(namespace))
+                _known.clear()  # changes missed while not subscribed
+                async for message in pubsub.listen():
+                    if message.get("type") == "message":
+                        _known.clear()
+        except Exception as exc:  # Redis went away: subscribe again
+            log.warning("auth change follower lost Redis: %s", type(exc).__name__)
+            await asyncio.sleep(1)
 
 
 def tenant_for_key(store: Store, key: str) -> Tenant:

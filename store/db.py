@@ -13,13 +13,13 @@ import secrets
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import delete, func, literal, select, update
+from sqlalchemy import delete, func, literal, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
@@ -32,6 +32,7 @@ from store.models import (
     QUEUED,
     RUNNING,
     TERMINAL_STATUSES,
+    ApiKey,
     Base,
     ChatSession,
     Job,
@@ -55,6 +56,7 @@ from store.records import (
 # Resolved from this file, so it works from any cwd and from an installed package.
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 API_KEY_PREFIX = "tg_"
+KEY_USE_RESOLUTION = timedelta(minutes=1)  # a key's last_used_at is this precise
 # Jobs stopped from outside while a worker may still be generating: the worker's finish
 # fills in usage and output but does not change the status.
 _STOPPED = frozenset({CANCELLED, EXPIRED})
@@ -129,6 +131,10 @@ def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: in
     )
 
 
+def new_api_key() -> str:
+    return API_KEY_PREFIX + secrets.token_urlsafe(32)
+
+
 def _ended(session: Session, job: Job) -> None:
     """The job's end is written (its finished_at, for the first time): its webhook, if it
     has one, goes into the outbox in the same transaction, so an ended job's webhook is
@@ -184,28 +190,41 @@ class Store:
         """Create a tenant; returns its record and its API key (only the hash is stored)."""
         if not name:
             raise ValueError("tenant name is empty")
-        api_key = API_KEY_PREFIX + secrets.token_urlsafe(32)
+        api_key = new_api_key()
         tenant = Tenant(
-            name=name, key_hash=hash_key(api_key), lanes=list(lanes), created_at=utcnow(),
+            name=name, lanes=list(lanes), created_at=utcnow(),
             requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
         )
         try:
             with self._write() as session:
                 session.add(tenant)
                 session.flush()
+                session.add(ApiKey(tenant_id=tenant.id, name="default",
+                                   key_hash=hash_key(api_key), created_at=tenant.created_at))
                 record = tenant_record(tenant)
         except IntegrityError as exc:
             raise TenantExistsError(name) from exc
         return record, api_key
 
     def tenant_by_key(self, api_key: str) -> TenantRecord | None:
-        """The active tenant holding api_key; None when unknown or revoked."""
-        stmt = select(Tenant).where(
-            Tenant.key_hash == hash_key(api_key), Tenant.revoked_at.is_(None)
-        )
+        """The active tenant holding api_key; None when the key is unknown, revoked or
+        expired, or its tenant revoked. Notes the key's use (at most once a minute)."""
+        now = utcnow()
+        stmt = (select(Tenant, ApiKey).join(ApiKey, ApiKey.tenant_id == Tenant.id)
+                .where(ApiKey.key_hash == hash_key(api_key), ApiKey.revoked_at.is_(None),
+                       or_(ApiKey.expires_at.is_(None), ApiKey.expires_at > now),
+                       Tenant.revoked_at.is_(None)))
         with self._read() as session:
-            tenant = session.scalars(stmt).one_or_none()
-            return tenant_record(tenant) if tenant else None
+            row = session.execute(stmt).one_or_none()
+            if row is None:
+                return None
+            tenant, key = row
+            record, key_id, used = tenant_record(tenant), key.id, key.last_used_at
+        if used is None or now - used > KEY_USE_RESOLUTION:
+            with self._write() as session:
+                session.execute(update(ApiKey).where(ApiKey.id == key_id)
+                                .values(last_used_at=now))
+        return record
 
     def list_tenants(self) -> list[TenantRecord]:
         with self._read() as session:

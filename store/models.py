@@ -79,8 +79,9 @@ class Tenant(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(128))
-    # Only the sha256 of the API key is stored; lookups go by this hash.
-    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    # The tenant's first key before keys had a table of their own (migration 0010 copied
+    # it to api_keys); no longer read or written.
+    key_hash: Mapped[str | None] = mapped_column(String(64), unique=True, index=True)
     lanes: Mapped[list[str]] = mapped_column(JSON)
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
@@ -271,3 +272,31 @@ class WebhookAttempt(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
     duration_ms: Mapped[float] = mapped_column(Float)
+
+
+class ApiKey(Base):
+    """One of a tenant's API keys, by name: only its sha256 is stored (shown once). Keys
+    rotate and are revoked without touching the tenant, its jobs or its sessions."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    created_at: Mapped[datetime]
+    last_used_at: Mapped[datetime | None]  # updated at most once a minute
+    expires_at: Mapped[datetime | None]  # a rotated key's overlap ends here
+    revoked_at: Mapped[datetime | None]
+
+
+class AdminKey(Base):
+    """A key of the admin API (/admin/v1): never a tenant's."""
+
+    __tablename__ = "admin_keys"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(64))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    created_at: Mapped[datetime]
+    revoked_at: Mapped[datetime | None]

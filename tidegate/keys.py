@@ -210,3 +210,9 @@ def batch_lock(ns: str, batch_id: str) -> str:
 
 
 BATCH_LOCK_S = 60  # longer than one pass over a batch; a dead holder's lock lapses
+
+
+def auth_changed_channel(ns: str) -> str:
+    """Pub/sub: a key or tenant was revoked or changed; every API process forgets the keys
+    it had found valid (api/auth.py), so a revoked key is refused at once."""
+    return f"{ns}:auth-changed"

@@ -53,7 +53,69 @@ def _tenant(args: argparse.Namespace) -> None:
             print(f"{t.name:20} {','.join(t.lanes):20} {state:8} "
                   f"{t.requests_per_minute or '-':>8} {t.tokens_per_minute or '-':>8}")
     elif args.tenant_cmd == "revoke":
-        print("revoked" if store.revoke_tenant(args.name) else f"no tenant named {args.name!r}")
+        revoked = store.revoke_tenant(args.name)
+        if revoked:
+            _announce()
+        print("revoked" if revoked else f"no tenant named {args.name!r}")
+
+
+def _announce() -> None:
+    """Tell the API processes a key or tenant changed (they forget the keys they trust)."""
+    from api.auth import announce_change
+    from tidegate import redisconn
+
+    settings = get_settings()
+    try:
+        announce_change(redisconn.sync_client(settings.redis_url), settings.namespace)
+    except Exception as exc:  # noqa: BLE001 - the change is made; the caches lapse in 5 s
+        print(f"(API processes not told at once: Redis {type(exc).__name__})")
+
+
+def _keys(args: argparse.Namespace) -> None:
+    from datetime import timedelta
+
+    from store import Store
+    from store.tenants import Tenants
+
+    tenants = Tenants(Store(get_settings().db_url))
+    tenant = tenants.get(args.tenant)
+    if tenant is None:
+        sys.exit(f"tidegate tenant key: no tenant {args.tenant!r}")
+    if args.key_cmd == "list":
+        print(f"{'id':>5} {'name':16} {'state':8} {'created':26} {'last used':26} expires")
+        for k in tenants.keys_of(tenant.id):
+            state = "active" if k.active else "revoked" if k.revoked_at else "expired"
+            print(f"{k.id:>5} {k.name:16} {state:8} {k.created_at.isoformat():26} "
+                  f"{k.last_used_at.isoformat() if k.last_used_at else '-':26} "
+                  f"{k.expires_at.isoformat() if k.expires_at else '-'}")
+    elif args.key_cmd == "add":
+        key, secret = tenants.add_key(tenant.id, args.name)
+        print(f"key {key.id} ({key.name}) of {tenant.name}; API key (shown once): {secret}")
+    elif args.key_cmd == "rotate":
+        done = tenants.rotate_key(tenant.id, args.id, timedelta(seconds=args.overlap_s))
+        if done is None:
+            sys.exit(f"tidegate tenant key rotate: no live key {args.id} of {tenant.name}")
+        _announce()
+        print(f"key {done[0].id} ({done[0].name}) replaces key {args.id}, which works "
+              f"{args.overlap_s:g} s more; API key (shown once): {done[1]}")
+    elif args.key_cmd == "revoke":
+        if tenants.revoke_key(tenant.id, args.id) is None:
+            sys.exit(f"tidegate tenant key revoke: no key {args.id} of {tenant.name}")
+        _announce()
+        print(f"key {args.id} of {tenant.name} revoked")
+
+
+def _admin_key(args: argparse.Namespace) -> None:
+    from store import Store
+    from store.tenants import Tenants
+
+    tenants = Tenants(Store(get_settings().db_url))
+    if args.admin_cmd == "create":
+        print(f"admin key {args.name} (shown once): {tenants.create_admin_key(args.name)}")
+    elif not tenants.revoke_admin_key(args.name):
+        sys.exit(f"tidegate admin-key revoke: no live admin key {args.name!r}")
+    else:
+        print(f"admin key {args.name} revoked")
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -248,6 +310,27 @@ def _tenant_parser(sub: Any) -> None:
     w.add_argument("name")
     w.add_argument("url", nargs="?", default="")
     w.set_defaults(func=_tenant_webhook)
+    k = t.add_parser("key", help="a tenant's API keys").add_subparsers(dest="key_cmd",
+                                                                        required=True)
+    for cmd, help_ in (("list", "list the keys (never the keys themselves)"),
+                       ("add", "a new named key, printed once"),
+                       ("rotate", "a new key in place of one; the old one lives --overlap-s"),
+                       ("revoke", "revoke one key now")):
+        c = k.add_parser(cmd, help=help_)
+        c.add_argument("tenant")
+        if cmd == "add":
+            c.add_argument("name")
+        if cmd in ("rotate", "revoke"):
+            c.add_argument("id", type=int)
+        if cmd == "rotate":
+            c.add_argument("--overlap-s", type=float, default=0.0)
+        c.set_defaults(func=_keys)
+    ak = sub.add_parser("admin-key", help="keys of the admin API").add_subparsers(
+        dest="admin_cmd", required=True)
+    for cmd in ("create", "revoke"):
+        c = ak.add_parser(cmd, help=f"{cmd} an admin key (create prints it once)")
+        c.add_argument("name")
+        c.set_defaults(func=_admin_key)
 
 
 def _kv_parser(sub: Any) -> None:

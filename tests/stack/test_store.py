@@ -65,7 +65,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def store(db_url: str) -> Iterator[Store]:
     st = Store(db_url)
     with st.engine.begin() as conn:
-        for table in ("sessions", "jobs", "tenants"):
+        for table in ("webhook_attempts", "webhook_deliveries", "webhook_secrets", "api_keys",
+                      "batches", "files", "sessions", "jobs", "tenants"):
             conn.execute(text(f"DELETE FROM {table}"))
     yield st
     st.close()
@@ -131,7 +132,7 @@ def test_upgrade_is_at_head_and_repeatable(db_url: str) -> None:
     head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
     engine = make_engine(db_url)
     with engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == head == "0009"
+        assert MigrationContext.configure(conn).get_current_revision() == head == "0010"
     engine.dispose()
 
 
@@ -145,7 +146,7 @@ def test_tenant_key_round_trip_and_revoke(store: Store) -> None:
     assert store.tenant_by_key(key) == tenant
     assert store.tenant_by_key(key + "x") is None
     with store.engine.connect() as conn:
-        stored = conn.execute(text("SELECT key_hash FROM tenants")).scalar_one()
+        stored = conn.execute(text("SELECT key_hash FROM api_keys")).scalar_one()
     assert stored == hashlib.sha256(key.encode()).hexdigest()  # the key itself is not stored
 
     with pytest.raises(TenantExistsError, match="acme") as err:
