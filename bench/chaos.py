@@ -52,8 +52,9 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 import redis  # noqa: E402
+from tidegate_client import StreamError  # noqa: E402
+from tidegate_client.client import _SseParser  # noqa: E402
 
-from api.client import StreamError, _SseParser  # noqa: E402
 from bench.common import (  # noqa: E402
     RESULTS,
     fmt,

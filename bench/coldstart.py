@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api.client import Client, TidegateError  # noqa: E402
+from tidegate_client import Client, TidegateError  # noqa: E402
+
 from bench.common import (  # noqa: E402
     RESULTS,
     fmt,

@@ -33,7 +33,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from api.client import Client  # noqa: E402
+from tidegate_client import Client  # noqa: E402
+
 from bench.common import (  # noqa: E402
     RESULTS,
     fmt,

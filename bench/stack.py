@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tidegate_client import AsyncClient
 
-from api.client import AsyncClient
 from bench.common import (
     RESULTS,
     ROOT,

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from api.client import AsyncClient, Client
+from tidegate_client import AsyncClient, Client
+
 from store import Store, upgrade
 from tidegate.records import JobStatus
 from tidegate.settings import Settings, get_settings

@@ -7,7 +7,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from api.client import Client
+from tidegate_client import Client
+
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.helpers import Stack, engine_stats

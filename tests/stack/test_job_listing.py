@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from tidegate_client import Client
 
-from api.client import Client
 from store import Store
 from tests.helpers import in_process_api
 from tests.stack.test_api_validation import advertise_worker

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from tidegate_client import Client
 
-from api.client import Client
 from store import JobRecord
 from tests.helpers import Stack, celery_on, make_tenant
 from tidegate import hot, keys

@@ -197,7 +197,7 @@ def test_a_conversation_hits_the_same_prefix_cache_through_either_api(stack: Sta
                                                                       key: str) -> None:
     """The same messages through POST /v1/jobs, then through /v1/chat/completions: one
     rendering, one tenant's cache salt, so the second finds the first's prefix cached."""
-    from api.client import Client
+    from tidegate_client import Client
 
     # New to the engine, and several KV blocks long whatever the block size (128 on CPU).
     system = f"Ledger {uuid.uuid4().hex}. " + "Revenue rose while invoice totals fell. " * 60

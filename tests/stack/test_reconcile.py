@@ -35,8 +35,8 @@ from pathlib import Path
 import pytest
 import redis
 from kombu.exceptions import OperationalError
+from tidegate_client import Client
 
-from api.client import Client
 from tasks.app import celery_app, make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.conftest import REDIS_PORT

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tidegate_client import Client
 
-from api.client import Client
 from tasks.app import celery_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.helpers import Stack, engine_stats

@@ -13,8 +13,8 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from tidegate_client import Client
 
-from api.client import Client
 from tests.helpers import Stack
 from tidegate import keys
 from tidegate_tools.procs import Proc, start_worker, wait_until

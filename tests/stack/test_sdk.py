@@ -14,10 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
+from tidegate_client import AsyncClient, Client, Event, TidegateError
 
-from api.client import AsyncClient, Client, TidegateError
 from tests.helpers import Stack
-from tidegate.events import Event
 
 PROMPT = "The invoice total is"
 
@@ -184,7 +183,7 @@ def sse(http: httpx.Client, job_id: str, stop_after: int | None = None,
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data:"):
-                events.append(Event.from_json(line[5:].strip()))
+                events.append(Event.model_validate_json(line[5:].strip()))
                 if len(events) == stop_after:
                     break
     return events

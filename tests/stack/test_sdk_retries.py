@@ -13,8 +13,8 @@ import httpx
 import pytest
 import redis
 from fastapi.testclient import TestClient
+from tidegate_client import Client, TidegateError
 
-from api.client import Client, TidegateError
 from api.deps import FLEET_CACHE_S
 from store import Store
 from tests.helpers import in_process_api

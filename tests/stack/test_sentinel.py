@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 import redis
+from tidegate_client import Client
 
-from api.client import Client
 from store import Store, upgrade
 from tasks.app import make_app
 from tidegate import keys, redisconn

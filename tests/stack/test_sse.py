@@ -23,8 +23,8 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from tidegate_client import Client, StreamError
 
-from api.client import Client, StreamError
 from store import Store
 from tests.helpers import api_of_its_own
 from tidegate import keys

@@ -16,8 +16,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from tidegate_client import Client
 
-from api.client import Client
 from scheduler import autoscale, control, health
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling

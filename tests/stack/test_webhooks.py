@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
+from tidegate_client import Client, verify_webhook
 
-from api.client import Client, verify_webhook
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.helpers import Stack, make_tenant

@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 import psutil
 import pytest
+from tidegate_client import Client
 
-from api.client import Client
 from tasks.app import celery_app
 from tests.helpers import Stack, engine_stats
 from tidegate import keys

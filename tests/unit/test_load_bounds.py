@@ -9,9 +9,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from tidegate_client import StreamError
+from tidegate_client.client import _failed, _SseParser
 
 from api.admission import Admission, StreamSlots
-from api.client import StreamError, _failed, _SseParser
 from api.errors import ApiError
 from api.limits import depth_limit
 from tidegate.lanes import load_lanes

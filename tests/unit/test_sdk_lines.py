@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from api.client import AsyncClient, _sse_lines, _SseParser
+from tidegate_client import AsyncClient
+from tidegate_client.client import _sse_lines, _SseParser
 
 
 def frames(text: str, size: int) -> list[bytes]:

@@ -1,4 +1,5 @@
 """The Python SDK: a producer's `submit` and a consumer's `stream`, sync and async.
+Answers are typed (tidegate_client.models); it depends on httpx and pydantic only.
 
 `stream` resumes after a dropped connection from the last event it handed out
 (`Last-Event-ID`), so the caller never loses or repeats a token. The API ends a stream
@@ -15,12 +16,12 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import httpx
 
-from tidegate.events import Event
+from tidegate_client.models import Accepted, Event, Job
 
 _RETRYABLE = (httpx.TransportError,)
 RETRY_STATUSES = (429, 503)  # a bound reached or something down: the API says when to retry
@@ -31,12 +32,15 @@ READ_TIMEOUT_S = 45.0
 
 
 class TidegateError(Exception):
-    """The API refused a request; `field` names what was wrong when it is the caller's."""
+    """The API refused a request: its HTTP `status`, the error's `type` (e.g.
+    `queue_full`, `rate_limited`, `unauthorized`), and `field` naming what was wrong when
+    it is the caller's."""
 
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         err = body.get("error", {}) if isinstance(body, dict) else {}
-        self.status, self.field = status, err.get("field")
-        super().__init__(f"{status}: {err.get('message', body)}")
+        self.status, self.field, self.type = status, err.get("field"), err.get("type")
+        self.message = str(err.get("message", body))
+        super().__init__(f"{status}: {self.message}")
 
 
 class StreamError(TidegateError):
@@ -161,7 +165,7 @@ class _SseParser:
             if own_error:
                 body = json.loads(data)
                 raise StreamError(str(body.get("code")), str(body.get("message")))
-            return Event.from_json(data)
+            return Event.model_validate_json(data)
         if line.startswith("data:"):
             self.data.append(line[5:].lstrip())
         elif line.startswith("event:"):
@@ -187,16 +191,18 @@ class Client:
         self.max_retry_wait_s = max_retry_wait_s
 
     def submit(self, lane: str, messages: list[dict[str, str]] | None = None,
-               prompt: str | None = None, **options: Any) -> dict[str, Any]:
-        """Enqueue a job; returns the API's answer (`job_id`, `events_url`, ...)."""
-        return self._call("POST", "/v1/jobs", json=_job_body(lane, messages, prompt, **options),
-                          headers=_submit_headers(options))
+               prompt: str | None = None, **options: Any) -> Accepted:
+        """Enqueue a job (options: max_tokens, temperature, top_p, seed, stop, priority,
+        session_id, deadline_s, idempotency_key, callback_url, lora)."""
+        return Accepted.model_validate(self._call(
+            "POST", "/v1/jobs", json=_job_body(lane, messages, prompt, **options),
+            headers=_submit_headers(options)))
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/v1/jobs/{job_id}")
+    def job(self, job_id: str) -> Job:
+        return Job.model_validate(self._call("GET", f"/v1/jobs/{job_id}"))
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/v1/jobs/{job_id}")
+    def cancel(self, job_id: str) -> Job:
+        return Job.model_validate(self._call("DELETE", f"/v1/jobs/{job_id}"))
 
     def _call(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
         for attempt in range(self.retries + 1):
@@ -212,13 +218,13 @@ class Client:
             time.sleep(_retry_wait_s(resp, attempt, self.max_retry_wait_s))
         raise AssertionError("unreachable")
 
-    def jobs(self, after: str | None = None, **filters: Any) -> Iterator[dict[str, Any]]:
+    def jobs(self, after: str | None = None, **filters: Any) -> Iterator[Job]:
         """The tenant's jobs in acceptance order, page after page (GET /v1/jobs; filters:
         `status`, `lane`, `session_id`, `created_after`, `limit` per page); `after` is a
         page's `next_cursor`, to go on from where an earlier walk stopped."""
         while True:
             page = self._call("GET", "/v1/jobs", params=_list_params(after, filters))
-            yield from page["data"]
+            yield from (Job.model_validate(job) for job in page["data"])
             if not page["has_more"]:
                 return
             after = page["next_cursor"]
@@ -273,15 +279,16 @@ class AsyncClient:
         self.max_retry_wait_s = max_retry_wait_s
 
     async def submit(self, lane: str, messages: list[dict[str, str]] | None = None,
-                     prompt: str | None = None, **options: Any) -> dict[str, Any]:
+                     prompt: str | None = None, **options: Any) -> Accepted:
         body = _job_body(lane, messages, prompt, **options)
-        return await self._call("POST", "/v1/jobs", json=body, headers=_submit_headers(options))
+        return Accepted.model_validate(await self._call(
+            "POST", "/v1/jobs", json=body, headers=_submit_headers(options)))
 
-    async def job(self, job_id: str) -> dict[str, Any]:
-        return await self._call("GET", f"/v1/jobs/{job_id}")
+    async def job(self, job_id: str) -> Job:
+        return Job.model_validate(await self._call("GET", f"/v1/jobs/{job_id}"))
 
-    async def cancel(self, job_id: str) -> dict[str, Any]:
-        return await self._call("DELETE", f"/v1/jobs/{job_id}")
+    async def cancel(self, job_id: str) -> Job:
+        return Job.model_validate(await self._call("DELETE", f"/v1/jobs/{job_id}"))
 
     async def _call(self, method: str, url: str, **kwargs: Any) -> dict[str, Any]:
         import asyncio
@@ -306,12 +313,12 @@ class AsyncClient:
         await self.aclose()
 
     async def jobs(self, after: str | None = None,
-                   **filters: Any) -> AsyncIterator[dict[str, Any]]:
+                   **filters: Any) -> AsyncIterator[Job]:
         """As Client.jobs."""
         while True:
             page = await self._call("GET", "/v1/jobs", params=_list_params(after, filters))
             for job in page["data"]:
-                yield job
+                yield Job.model_validate(job)
             if not page["has_more"]:
                 return
             after = page["next_cursor"]
@@ -348,12 +355,3 @@ class AsyncClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-
-def verify_webhook(secret: str, body: bytes | str, headers: Mapping[str, str]) -> dict[str, Any]:
-    """A tidegate webhook's event ({"type", "timestamp", "data"}) once its signature and
-    timestamp check out against `secret` (any of the secrets live when it was sent);
-    raises standardwebhooks' WebhookVerificationError otherwise."""
-    from standardwebhooks.webhooks import Webhook
-
-    lowered = {name.lower(): value for name, value in headers.items()}
-    return dict(Webhook(secret).verify(body, lowered))
