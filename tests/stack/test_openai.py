@@ -213,3 +213,20 @@ def test_a_conversation_hits_the_same_prefix_cache_through_either_api(stack: Sta
     assert done.usage is not None and done.usage.prompt_tokens == first.prompt_tokens
     details = done.usage.prompt_tokens_details
     assert details is not None and (details.cached_tokens or 0) >= 256
+
+
+def test_each_error_class_on_the_real_stack(stack: Stack, key: str) -> None:
+    """The SDK's own classes, from the API process a deployment runs (the in-process
+    cases, with the queue checks, are tests/stack/test_openai_validation.py)."""
+    _, chat_only = make_tenant(stack.store, f"openai-chat-{uuid.uuid4().hex[:6]}", ["chat"])
+    with pytest.raises(openai.AuthenticationError):
+        sdk(stack, "tg_not-a-key").models.list()
+    with pytest.raises(openai.PermissionDeniedError) as denied:
+        sdk(stack, chat_only).chat.completions.create(model=MODEL, messages=USER,  # type: ignore[arg-type]
+                                                      service_tier="priority")
+    assert denied.value.param == "service_tier"
+    with pytest.raises(openai.BadRequestError) as bad:
+        sdk(stack, key).chat.completions.create(model=MODEL, messages=USER, n=2)  # type: ignore[arg-type]
+    assert bad.value.param == "n"
+    with pytest.raises(openai.NotFoundError):
+        sdk(stack, key).batches.retrieve("batch_nope")
