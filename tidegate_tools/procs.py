@@ -144,7 +144,7 @@ def start_sentinel(port: int, master_port: int, master: str, log_dir: Path,
 
 
 def tidegate_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "tidegate_tools.cli", *args]
+    return [sys.executable, "-m", "tidegate_server", *args]  # the installed entry (tidegate_server)
 
 
 def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:

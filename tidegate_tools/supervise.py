@@ -13,7 +13,7 @@ from tidegate.records import RESTART_EXIT
 
 
 def supervise(args: list[str]) -> int:
-    argv = [sys.executable, "-m", "tidegate_tools.cli", *args, "--supervised"]
+    argv = [sys.executable, "-m", "tidegate_server", *args, "--supervised"]
     _become_subreaper()
     while True:
         child = subprocess.Popen(argv)
