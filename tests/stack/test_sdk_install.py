@@ -6,6 +6,7 @@ times mid-way with no gap and no repeat."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import venv
 from collections.abc import Iterator
@@ -41,8 +42,12 @@ def sdk_python(tmp_root: Path) -> Iterator[Path]:
     env_dir = tmp_root / "sdk-venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     python = env_dir / "bin" / "python"
+    src = tmp_root / "sdk-src"  # a copy: pip builds a source folder in place (build/)
+    shutil.rmtree(src, ignore_errors=True)
+    shutil.copytree(ROOT / "clients" / "python", src,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
     subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    str(ROOT / "clients" / "python")], check=True, timeout=600)
+                    str(src)], check=True, timeout=600)
     yield python
 
 
