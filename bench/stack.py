@@ -305,22 +305,27 @@ def _chunk_tokens(choice: dict[str, Any]) -> int:
     return 1 if choice.get("text") else 0  # a server without return_token_ids
 
 
-async def peer_request(http: httpx.AsyncClient, spec: RequestSpec) -> Sample:
-    body = {"model": str(MODEL), "prompt": spec.prompt, "max_tokens": spec.max_tokens,
-            "temperature": TEMPERATURE, "stream": True, "ignore_eos": True,
-            "return_token_ids": True, "stream_options": {"include_usage": True}}
-    clock, usage = Arrivals(spec.max_tokens), None
+async def completion_chunks(http: httpx.AsyncClient,
+                            body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of a streamed POST /v1/completions (OpenAI's wire format)."""
     async with http.stream("POST", "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
         async for line in resp.aiter_lines():
             data = line.removeprefix("data:").strip()
-            if not line.startswith("data:") or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or []:
-                clock.add(_chunk_tokens(choice))
+            if line.startswith("data:") and data != "[DONE]":
+                yield json.loads(data)
+
+
+async def peer_request(http: httpx.AsyncClient, spec: RequestSpec) -> Sample:
+    body = {"model": str(MODEL), "prompt": spec.prompt, "max_tokens": spec.max_tokens,
+            "temperature": TEMPERATURE, "stream": True, "ignore_eos": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True}}
+    clock, usage = Arrivals(spec.max_tokens), None
+    async for chunk in completion_chunks(http, body):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or []:
+            clock.add(_chunk_tokens(choice))
     return check_done(clock.sample(), {"usage": usage} if usage else None)
 
 

@@ -15,7 +15,6 @@ Writes bench/results/tiers.{md,png,json}; the last stdout line is the JSON summa
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -40,6 +39,7 @@ from bench.stack import (  # noqa: E402
     Sample,
     Session,
     check_done,
+    completion_chunks,
     measure_peer,
     measure_tidegate,
     publish,
@@ -59,19 +59,12 @@ async def openai_request(http: httpx.AsyncClient, spec: RequestSpec) -> Sample:
             "temperature": TEMPERATURE, "stream": True, "service_tier": TIERS[spec.lane],
             "stream_options": {"include_usage": True}}
     clock, usage, tier = Arrivals(spec.max_tokens), None, None
-    async with http.stream("POST", "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
-        async for line in resp.aiter_lines():
-            data = line.removeprefix("data:").strip()
-            if not line.startswith("data:") or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"error chunk: {chunk['error']}")
-            usage, tier = chunk.get("usage") or usage, chunk.get("service_tier") or tier
-            if any(c.get("text") for c in chunk.get("choices") or []):
-                clock.add(1)
+    async for chunk in completion_chunks(http, body):
+        if "error" in chunk:
+            raise RuntimeError(f"error chunk: {chunk['error']}")
+        usage, tier = chunk.get("usage") or usage, chunk.get("service_tier") or tier
+        if any(c.get("text") for c in chunk.get("choices") or []):
+            clock.add(1)
     if tier != TIERS[spec.lane]:
         raise RuntimeError(f"answered as tier {tier!r}, asked {TIERS[spec.lane]!r}")
     clock.tokens = (usage or {}).get("completion_tokens") or clock.tokens
