@@ -149,7 +149,9 @@ def test_the_lane_queue_serves_priority_first_then_arrival_order(stack: Stack,
     assert {r["queue"] for r in rows.values()} == {"support.fallback"}
     # The backlog was real: every job arrived while the long one still ran.
     def at(job_id: str, name: str) -> datetime:
-        return datetime.fromisoformat(rows[job_id][name])
+        value = rows[job_id][name]  # the SDK's Job: a datetime
+        assert isinstance(value, datetime)
+        return value
 
     assert max(at(j, "enqueued_at") for _, j in arrivals) < at(blocker, "finished_at")
     started = sorted((j for _, j in arrivals), key=lambda j: at(j, "started_at"))
