@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,19 +155,14 @@ HELD_AFTER = 10  # tokens streamed before the job is held
 
 
 @contextlib.contextmanager
-def mid_job(stack: Stack, spare: Proc,
-            on_hold: Callable[[], None] | None = None) -> Iterator[Reader]:
+def mid_job(stack: Stack, spare: Proc) -> Iterator[Reader]:
     """A job on the spare worker, held after its first tokens with its engine request still
-    running (workers/faults.py `TokenHold`), let go when the block ends. `on_hold` runs
-    the moment the hold is seen: the engine goes on generating while the worker is held,
-    and a fast one finishes a job of the lane's longest within seconds."""
+    running (workers/faults.py `TokenHold`), let go when the block ends."""
     hold(HELD_AFTER)
     try:
         reader = submit(stack)
         wait_until(lambda: engine_stats(SPARE)["held"] == reader.job_id, 60,
                    f"the spare worker to hold job {reader.job_id}", [spare], poll_s=0.05)
-        if on_hold is not None:
-            on_hold()
         row = stack.store.get_job(reader.job_id)
         assert row is not None and row.status == "running" and row.worker == SPARE
         assert appended(stack, reader.job_id) > 1  # `started`, then its first tokens
@@ -221,15 +216,18 @@ def test_a_dead_engine_takes_its_worker_out_of_rotation_and_its_job_ends_elsewhe
     old = read_heartbeat(stack.redis, stack.namespace, SPARE)
     assert old is not None
 
-    def kill_engine() -> None:
-        for p in engine_of(spare):
-            p.kill()
-
     with spare_only(stack):
-        # Killed at once: the job's second attempt (check_done below) shows the engine
-        # died with the request in it.
-        with mid_job(stack, spare, on_hold=kill_engine) as reader:
-            pass
+        # No hold here: the hold stops the worker, not the engine, which finished a held
+        # job's 1,800 tokens before a control broadcast could report the hold. The
+        # engine's processes are found first, the job's stream is watched in Redis, and
+        # the engine is killed as its first tokens land: the job's second attempt
+        # (check_done below) shows it died with the request in it.
+        engine = engine_of(spare)
+        reader = submit(stack)
+        wait_until(lambda: appended(stack, reader.job_id) > 1, 60,
+                   f"job {reader.job_id}'s first tokens", [spare], poll_s=0.002)
+        for p in engine:
+            p.kill()
         wait_until(lambda: state(stack, SPARE) == WorkerState.FAILED, 30,
                    "the spare's heartbeat to say failed", [spare], poll_s=0.02)
         ready = httpx.get(f"{stack.base_url}/readyz", timeout=10).json()
