@@ -200,6 +200,13 @@ def _schemas(lanes: Mapping[str, Lane]) -> Json:
                         "next_cursor": {"type": ["string", "null"],
                                         "description": "Pass as `after` for the next page; "
                                                        "null on the last."}}},
+        "DeliveryList": {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": DELIVERY}}},
+        "WebhookSecret": {"type": "object", "required": ["secret", "previous_valid_for_s"],
+                          "properties": {
+                              "secret": {"type": "string", "pattern": "^whsec_"},
+                              "previous_valid_for_s": {"type": "number"}}},
         "Health": {"type": "object", "required": ["status"],
                    "properties": {"status": {"type": "string"}}},
         "Readiness": {"type": "object", "required": ["ready", "checks"], "properties": {
@@ -281,6 +288,14 @@ def _operations() -> dict[tuple[str, str], Json]:
             {"200": {"description": "The event stream; comments keep a quiet one alive.",
                      "content": {"text/event-stream": {"schema": SSE_EVENT}}}},
             errors=(400, 401, 404, 429, 503)),
+        ("/v1/jobs/{job_id}/deliveries", "get"): _jobs_operation(
+            "jobDeliveries", "The job's webhook deliveries, each with every attempt.",
+            {"200": _json("The deliveries (none until the job ends, or without a "
+                          "callback_url).", "DeliveryList")}, errors=(400, 401, 404, 503)),
+        ("/v1/webhook-secret", "post"): _jobs_operation(
+            "rotateWebhookSecret", "A new webhook signing secret, shown once; the older ones "
+            "keep signing beside it for TIDEGATE_WEBHOOK_SECRET_OVERLAP_S.",
+            {"200": _json("The new secret.", "WebhookSecret")}, errors=(400, 401, 503)),
         ("/healthz", "get"): {"operationId": "health",
                               "responses": {"200": _json("The process is up.", "Health")}},
         ("/readyz", "get"): {"operationId": "readiness", "responses": {
@@ -290,6 +305,24 @@ def _operations() -> dict[tuple[str, str], Json]:
             "description": "Prometheus metrics.",
             "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}}},
     }
+
+
+_AT = {"type": ["string", "null"], "format": "date-time"}
+DELIVERY: Json = {"type": "object", "required": ["id", "url", "status", "attempts", "log"],
+                  "properties": {
+                      "id": {"type": "string", "description": "The `webhook-id` header."},
+                      "url": {"type": "string"},
+                      "status": {"enum": ["pending", "sending", "delivered", "failed"]},
+                      "attempts": {"type": "integer"}, "created_at": _AT,
+                      "delivered_at": _AT, "next_attempt_at": _AT,
+                      "last_error": {"type": ["string", "null"]},
+                      "log": {"type": "array", "items": {
+                          "type": "object",
+                          "required": ["attempt", "at", "status_code", "error", "duration_ms"],
+                          "properties": {"attempt": {"type": "integer"}, "at": _AT,
+                                         "status_code": {"type": ["integer", "null"]},
+                                         "error": {"type": ["string", "null"]},
+                                         "duration_ms": {"type": "number"}}}}}}
 
 
 def _jobs_operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],

@@ -18,10 +18,9 @@ from store.webhooks import DeliveryRecord, Webhooks
 
 def install(app: FastAPI, deps: Deps) -> None:
     hooks = Webhooks(deps.store)
-    hidden: dict[str, Any] = {"dependencies": [Depends(check_headers)],
-                              "include_in_schema": False}
+    checked: dict[str, Any] = {"dependencies": [Depends(check_headers)]}  # api/openapi.py
 
-    @app.get("/v1/jobs/{job_id}/deliveries", **hidden)
+    @app.get("/v1/jobs/{job_id}/deliveries", **checked)
     async def deliveries(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
         job_id = check_job_id(job_id)
@@ -31,7 +30,7 @@ def install(app: FastAPI, deps: Deps) -> None:
         rows = await asyncio.to_thread(hooks.of_job, job_id, tenant.id)
         return JSONResponse({"object": "list", "data": [delivery_json(d) for d in rows]})
 
-    @app.post("/v1/webhook-secret", **hidden)
+    @app.post("/v1/webhook-secret", **checked)
     async def rotate(request: Request) -> JSONResponse:
         """A new signing secret, shown this once; the old ones sign beside it for
         `TIDEGATE_WEBHOOK_SECRET_OVERLAP_S`, so receivers can switch without a gap."""
