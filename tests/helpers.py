@@ -68,6 +68,14 @@ def engine_stats(worker: str, broker_url: str | None = None) -> dict:
     return replies[0][worker]
 
 
+def hold(names: list[str], after_tokens: int, broker_url: str | None = None) -> None:
+    """Arms (after_tokens > 0) or releases the workers' hold (workers/faults.py TokenHold):
+    the next job to stream that many tokens waits there, its engine request running on."""
+    celery_on(broker_url).control.broadcast("tidegate_hold",
+                                            arguments={"after_tokens": after_tokens},
+                                            destination=names, reply=True, timeout=10)
+
+
 def postgres_or_skip() -> None:
     """Skips the test when PostgreSQL does not answer at 127.0.0.1:5432 (CI has it)."""
     from sqlalchemy.exc import OperationalError

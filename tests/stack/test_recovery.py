@@ -28,7 +28,7 @@ from tidegate_client import Client
 
 from tasks.app import celery_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats
+from tests.helpers import Stack, engine_stats, hold
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
@@ -133,13 +133,6 @@ def worker_of(stack: Stack, job_id: str) -> str:
 
 
 HELD_AFTER = 30  # tokens a job streams before its worker holds it
-
-
-def hold(names: list[str], after_tokens: int) -> None:
-    """Arms (after_tokens > 0) or releases the workers' hold (workers/faults.py TokenHold):
-    the next job to stream that many tokens waits there, its engine request running on."""
-    celery_app().control.broadcast("tidegate_hold", arguments={"after_tokens": after_tokens},
-                                   destination=names, reply=True, timeout=10)
 
 
 @contextlib.contextmanager

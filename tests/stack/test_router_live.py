@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tidegate_client import Client
 
-from tests.helpers import Stack
+from tests.helpers import Stack, engine_stats, hold
 from tidegate import keys
 from tidegate_tools.procs import Proc, start_worker, wait_until
 
@@ -134,25 +134,33 @@ def test_new_jobs_go_to_the_fallback_once_the_primary_is_gone(stack: Stack,
 def test_the_lane_queue_serves_priority_first_then_arrival_order(stack: Stack,
                                                                  pools: Pools) -> None:
     """Plain jobs now go to the fallback pool's queue, which its one-slot worker takes one
-    at a time. While a long job holds the slot, jobs of two priorities arrive interleaved:
-    the urgent ones start first, and each priority starts in its arrival order."""
-    with Client(stack.base_url, stack.api_key) as client:
-        blocker = client.submit("support", prompt=PROMPT, max_tokens=1500)["job_id"]
-        wait_until(lambda: client.job(blocker)["started_at"] is not None, 60,
-                   "the long job to take the slot")
-        arrivals = [(priority, client.submit("support", prompt=PROMPT, max_tokens=2,
-                                             priority=priority)["job_id"])
-                    for _ in range(3) for priority in (1, 8)]
-        for job_id in [blocker, *(j for _, j in arrivals)]:
-            assert list(client.stream(job_id))[-1].kind == "done"
-        rows = {j: client.job(j) for j in [blocker, *(j for _, j in arrivals)]}
+    at a time. While a job holds the slot (the worker's fault hold keeps it there after its
+    first token, however fast the engine), jobs of two priorities arrive interleaved: the
+    urgent ones start first, and each priority starts in its arrival order."""
+    hold([pools.fallback], 1)
+    try:
+        with Client(stack.base_url, stack.api_key) as client:
+            blocker = client.submit("support", prompt=PROMPT, max_tokens=64)["job_id"]
+            wait_until(lambda: engine_stats(pools.fallback)["held"] == blocker, 60,
+                       "the fallback worker to hold the first job in its slot",
+                       [pools.procs["fallback"]], poll_s=0.1)
+            arrivals = [(priority, client.submit("support", prompt=PROMPT, max_tokens=2,
+                                                 priority=priority)["job_id"])
+                        for _ in range(3) for priority in (1, 8)]
+            hold([pools.fallback], 0)
+            for job_id in [blocker, *(j for _, j in arrivals)]:
+                assert list(client.stream(job_id))[-1].kind == "done"
+            rows = {j: client.job(j) for j in [blocker, *(j for _, j in arrivals)]}
+    finally:
+        hold([pools.fallback], 0)
     assert {r["queue"] for r in rows.values()} == {"support.fallback"}
-    # The backlog was real: every job arrived while the long one still ran.
+
     def at(job_id: str, name: str) -> datetime:
         value = rows[job_id][name]  # the SDK's Job: a datetime
         assert isinstance(value, datetime)
         return value
 
+    # The backlog was real: every job arrived while the first one held the slot.
     assert max(at(j, "enqueued_at") for _, j in arrivals) < at(blocker, "finished_at")
     started = sorted((j for _, j in arrivals), key=lambda j: at(j, "started_at"))
     assert started == [j for p, j in arrivals if p == 8] + [j for p, j in arrivals if p == 1]
