@@ -15,11 +15,21 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import delete, func, literal, or_, select, update
+from sqlalchemy import (
+    Connection,
+    Table,
+    bindparam,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
@@ -42,6 +52,7 @@ from store.models import (
     WebhookDelivery,
 )
 from store.records import (
+    JOB_FIELDS,
     JobRecord,
     SessionOwnerError,
     SessionRecord,
@@ -49,6 +60,7 @@ from store.records import (
     TenantRecord,
     TrafficRecord,
     job_record,
+    row_job_record,
     session_record,
     tenant_record,
 )
@@ -140,11 +152,48 @@ def _ended(session: Session, job: Job) -> None:
     has one, goes into the outbox in the same transaction, so an ended job's webhook is
     never lost and never sent for a job that did not end (tasks/webhooks.py sends it)."""
     if job.callback_url:
-        now = utcnow()
-        session.add(WebhookDelivery(id=f"msg_{secrets.token_hex(12)}", job_id=job.id,
-                                    tenant_id=job.tenant_id, url=job.callback_url,
-                                    status="pending", attempts=0, next_attempt_at=now,
-                                    created_at=now))
+        session.add(WebhookDelivery(**_webhook_outbox_row(job.id, job.tenant_id,
+                                                          job.callback_url)))
+
+
+def _webhook_outbox_row(job_id: str, tenant_id: int, url: str) -> dict[str, Any]:
+    now = utcnow()
+    return {"id": f"msg_{secrets.token_hex(12)}", "job_id": job_id, "tenant_id": tenant_id,
+            "url": url, "status": "pending", "attempts": 0, "next_attempt_at": now,
+            "created_at": now}
+
+
+_JOBS = cast(Table, Job.__table__)
+_WEBHOOK_DELIVERIES = cast(Table, WebhookDelivery.__table__)
+_JOB_COLUMNS = tuple(_JOBS.c[name] for name in JOB_FIELDS)
+# Built once: building a statement cost as much CPU as running it.
+_BY_ID = _JOBS.c.id == bindparam("job_id")
+_SELECT_JOB = select(*_JOB_COLUMNS).where(_BY_ID)
+_SELECT_ENQUEUED_AT = select(_JOBS.c.enqueued_at).where(_BY_ID)
+_SELECT_STARTED_AT = select(_JOBS.c.started_at).where(_BY_ID)
+_CLAIM = (
+    update(_JOBS)
+    .where(_BY_ID, _JOBS.c.status.in_(ACTIVE_STATUSES))
+    .values(
+        status=RUNNING,
+        started_at=func.coalesce(_JOBS.c.started_at, bindparam("now", type_=UTCDateTime())),
+        queue_wait_ms=func.coalesce(_JOBS.c.queue_wait_ms, bindparam("wait_ms")),
+        worker=bindparam("by_worker"),
+        engine=bindparam("by_engine"),
+        attempts=_JOBS.c.attempts + 1,
+    )
+    .returning(*_JOB_COLUMNS)
+)
+_FIRST_TOKEN = (
+    update(_JOBS)
+    .where(_BY_ID, _JOBS.c.first_token_at.is_(None))
+    .values(first_token_at=bindparam("at", type_=UTCDateTime()), ttft_ms=bindparam("ttft"),
+            cached_tokens=bindparam("cached"))
+)
+_INSERT_JOB = insert(_JOBS).returning(*_JOB_COLUMNS)
+_COUNT_IN_FLIGHT = (select(func.count()).select_from(_JOBS)
+                    .where(_JOBS.c.tenant_id == bindparam("tenant_id"),
+                           _JOBS.c.status.in_(ACTIVE_STATUSES)))
 
 
 class Store:
@@ -152,8 +201,8 @@ class Store:
         self.url = normalize_url(url)
         self.engine = make_engine(self.url, **engine_options)
         self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
-        write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
-        self._write_sessions = sessionmaker(write_engine, expire_on_commit=False)
+        self._write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
+        self._write_sessions = sessionmaker(self._write_engine, expire_on_commit=False)
         # In-memory SQLite is one shared connection: it can hold one transaction at a time.
         self._serial: AbstractContextManager[Any] = (
             threading.Lock() if is_sqlite_memory(self.url) else nullcontext()
@@ -182,6 +231,19 @@ class Store:
     def _write(self) -> Iterator[Session]:
         with self._writer, self._serial, self._write_sessions.begin() as session:
             yield session
+
+    # The paths every job takes (a worker's claim, first token and end; a submit's count
+    # and read) run on Core connections: the ORM session cost 2-3x the CPU of the same
+    # statements (bench/README.md, "Where the time goes").
+    @contextmanager
+    def _read_conn(self) -> Iterator[Connection]:
+        with self._serial, self.engine.connect() as conn:
+            yield conn
+
+    @contextmanager
+    def _write_conn(self) -> Iterator[Connection]:
+        with self._writer, self._serial, self._write_engine.begin() as conn:
+            yield conn
 
     # -- tenants ---------------------------------------------------------------------
 
@@ -283,14 +345,15 @@ class Store:
     def _insert_job(self, row: Job, turn_of: str | None) -> tuple[JobRecord, bool, int]:
         """Insert the row and, with turn_of, count that session's turn in the same
         transaction."""
+        values = {name: getattr(row, name) for name in (*JOB_FIELDS, "payload")
+                  if getattr(row, name) is not None}
         try:
-            with self._write() as session:
-                session.add(row)
-                session.flush()
-                turn = self._count_turn(session, turn_of, row.tenant_id, None) if turn_of else 0
+            with self._write_conn() as conn:
+                turn = self._count_turn(conn, turn_of, row.tenant_id, None) if turn_of else 0
                 if turn and row.payload is not None:
-                    row.payload = {**row.payload, "turn": turn}  # written at commit
-                return job_record(row), True, turn
+                    values["payload"] = {**row.payload, "turn": turn}
+                inserted = conn.execute(_INSERT_JOB, values).mappings().one()
+                return row_job_record(inserted), True, turn
         except IntegrityError:
             # A concurrent request with the same key won the insert: answer with its job.
             key = row.idempotency_key
@@ -308,11 +371,11 @@ class Store:
 
     def get_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
         """The job; with tenant_id, None unless the job belongs to that tenant."""
-        with self._read() as session:
-            job = session.get(Job, job_id)
-            if job is None or (tenant_id is not None and job.tenant_id != tenant_id):
-                return None
-            return job_record(job)
+        with self._read_conn() as conn:
+            row = conn.execute(_SELECT_JOB, {"job_id": job_id}).mappings().one_or_none()
+        if row is None or (tenant_id is not None and row["tenant_id"] != tenant_id):
+            return None
+        return row_job_record(row)
 
     def jobs_of_tenant(self, tenant_id: int, limit: int = 1000) -> list[JobRecord]:
         """A tenant's most recent jobs, oldest first."""
@@ -367,42 +430,28 @@ class Store:
         first claim only. None, and nothing changed, when the job is terminal or unknown.
         """
         now = utcnow()
-        with self._write() as session:
-            enqueued_at = session.scalar(select(Job.enqueued_at).where(Job.id == job_id))
+        with self._write_conn() as conn:
+            enqueued_at = conn.execute(_SELECT_ENQUEUED_AT, {"job_id": job_id}).scalar()
             if enqueued_at is None:
                 return None
-            stmt = (
-                update(Job)
-                .where(Job.id == job_id, Job.status.in_(ACTIVE_STATUSES))
-                .values(
-                    status=RUNNING,
-                    started_at=func.coalesce(Job.started_at, literal(now, UTCDateTime())),
-                    queue_wait_ms=func.coalesce(Job.queue_wait_ms, _ms(enqueued_at, now)),
-                    worker=worker,
-                    engine=engine,
-                    attempts=Job.attempts + 1,
-                )
-                .returning(Job)
-                .execution_options(synchronize_session=False)
-            )
-            job = session.scalars(stmt).one_or_none()
-            return job_record(job) if job else None
+            row = conn.execute(_CLAIM, {"job_id": job_id, "now": now,
+                                        "wait_ms": _ms(enqueued_at, now),
+                                        "by_worker": worker, "by_engine": engine}
+                               ).mappings().one_or_none()
+        return row_job_record(row) if row else None
 
-    def mark_first_token(self, job_id: str, at: datetime, cached_tokens: int | None = None) -> bool:
+    def mark_first_token(self, job_id: str, at: datetime, cached_tokens: int | None = None,
+                         started_at: datetime | None = None) -> bool:
         """Record the first token's time, TTFT (from started_at) and the prompt tokens the
-        engine found in its prefix cache; only the first call counts."""
+        engine found in its prefix cache; only the first call counts. `started_at`: the
+        row's, as the claim returned it (a worker has it), which saves reading it here."""
         at = _aware(at)
-        with self._write() as session:
-            started_at = session.scalar(select(Job.started_at).where(Job.id == job_id))
-            stmt = (
-                update(Job)
-                .where(Job.id == job_id, Job.first_token_at.is_(None))
-                .values(first_token_at=at, ttft_ms=_ms(started_at, at),
-                        cached_tokens=cached_tokens)
-                .returning(Job.id)
-                .execution_options(synchronize_session=False)
-            )
-            return session.scalar(stmt) is not None
+        with self._write_conn() as conn:
+            if started_at is None:
+                started_at = conn.execute(_SELECT_STARTED_AT, {"job_id": job_id}).scalar()
+            return conn.execute(_FIRST_TOKEN, {"job_id": job_id, "at": at,
+                                               "ttft": _ms(started_at, at),
+                                               "cached": cached_tokens}).rowcount > 0
 
     def finish_job(
         self,
@@ -421,6 +470,23 @@ class Store:
         and times it lacks; any other terminal job is left as it is. The job's payload
         (its prompt) is dropped: the job has ended.
         """
+        return self.end_job(job_id, status, finish_reason=finish_reason,
+                            output_text=output_text, completion_tokens=completion_tokens,
+                            error=error, finished_at=finished_at)[0]
+
+    def end_job(
+        self,
+        job_id: str,
+        status: str,
+        *,
+        finish_reason: str | None = None,
+        output_text: str | None = None,
+        completion_tokens: int | None = None,
+        error: str | None = None,
+        finished_at: datetime | None = None,
+    ) -> tuple[bool, JobRecord | None]:
+        """finish_job, and the row as it then is (None: unknown job): a worker's `done`
+        event carries the row's timings, and reading them here saves a read after."""
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"not a terminal status: {status!r}")
         end = _aware(finished_at) if finished_at else utcnow()
@@ -431,23 +497,31 @@ class Store:
             "error": error,
             "finished_at": end,
         }
-        with self._write() as session:
-            job = self._locked_job(session, job_id)
-            if job is None or (job.status in TERMINAL_STATUSES and job.status not in _STOPPED):
-                return False
-            was_open = job.finished_at is None
-            active = job.status in ACTIVE_STATUSES
-            for name, value in values.items():
-                if value is not None and (active or getattr(job, name) is None):
-                    setattr(job, name, value)
-            if job.tpot_ms is None:
-                job.tpot_ms = _tpot_ms(job.first_token_at, end, job.completion_tokens)
-            job.payload = None
+        with self._write_conn() as conn:
+            found = conn.execute(_SELECT_JOB.with_for_update(),
+                                 {"job_id": job_id}).mappings().one_or_none()
+            if found is None:
+                return False, None
+            job = dict(found)
+            if job["status"] in TERMINAL_STATUSES and job["status"] not in _STOPPED:
+                return False, row_job_record(job)
+            was_open = job["finished_at"] is None
+            active = job["status"] in ACTIVE_STATUSES
+            changes: dict[str, Any] = {name: value for name, value in values.items()
+                                       if value is not None and (active or job[name] is None)}
+            job.update(changes)
+            if job["tpot_ms"] is None:
+                changes["tpot_ms"] = _tpot_ms(job["first_token_at"], end,
+                                              job["completion_tokens"])
+            changes["payload"] = None
             if active:
-                job.status = status
-            if was_open:
-                _ended(session, job)
-            return active
+                changes["status"] = status
+            job.update(changes)
+            conn.execute(update(_JOBS).where(Job.id == job_id).values(**changes))
+            if was_open and job["callback_url"]:
+                conn.execute(insert(_WEBHOOK_DELIVERIES).values(
+                    **_webhook_outbox_row(job["id"], job["tenant_id"], job["callback_url"])))
+            return active, row_job_record(job)
 
     def cancel_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
         """Cancel a queued or running job; terminal jobs come back unchanged.
@@ -474,10 +548,8 @@ class Store:
     def count_in_flight(self, tenant_id: int) -> int:
         """The tenant's queued and running jobs: two ranges of ix_jobs_tenant_id_status,
         read on every submit (the API's in-flight cap), so no longer than the cap."""
-        stmt = (select(func.count()).select_from(Job)
-                .where(Job.tenant_id == tenant_id, Job.status.in_(ACTIVE_STATUSES)))
-        with self._read() as session:
-            return session.scalar(stmt) or 0
+        with self._read_conn() as conn:
+            return conn.execute(_COUNT_IN_FLIGHT, {"tenant_id": tenant_id}).scalar() or 0
 
     def expire_job(self, job_id: str) -> bool:
         """A queued or running job whose deadline passed becomes expired; True when it did."""
@@ -544,7 +616,7 @@ class Store:
         with self._write() as session:
             return self._count_turn(session, session_id, tenant_id, worker)
 
-    def _count_turn(self, session: Session, session_id: str, tenant_id: int,
+    def _count_turn(self, session: Session | Connection, session_id: str, tenant_id: int,
                     worker: str | None) -> int:
         """touch_session inside the caller's transaction: the raise rolls it back."""
         insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert

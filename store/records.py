@@ -6,6 +6,7 @@ to keep after the database session that read them is closed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
@@ -111,13 +112,21 @@ def tenant_record(tenant: Tenant) -> TenantRecord:
     )
 
 
-_JOB_FIELDS = tuple(f.name for f in fields(JobRecord))
+JOB_FIELDS = tuple(f.name for f in fields(JobRecord))  # each a column of `jobs`
 
 
 def job_record(job: Job) -> JobRecord:
-    values = {name: getattr(job, name) for name in _JOB_FIELDS}
+    values = {name: getattr(job, name) for name in JOB_FIELDS}
     values["sampling"] = dict(job.sampling or {})  # a copy: the record must not alias ORM state
     values["status"] = JobStatus(job.status)
+    return JobRecord(**values)
+
+
+def row_job_record(row: Mapping[Any, Any]) -> JobRecord:
+    """A JobRecord from a Core row of the JOB_FIELDS columns (store/db.py's hot paths)."""
+    values = {name: row[name] for name in JOB_FIELDS}
+    values["sampling"] = dict(values["sampling"] or {})
+    values["status"] = JobStatus(values["status"])
     return JobRecord(**values)
 
 
