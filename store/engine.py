@@ -8,10 +8,12 @@ BEGIN IMMEDIATE so a transaction that reads then writes cannot hit SQLITE_BUSY h
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import StaticPool
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
@@ -36,9 +38,40 @@ def make_engine(url: str | URL, **options: Any) -> Engine:
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, options)
-    # Long-lived workers outlive database restarts; check connections before use.
-    options.setdefault("pool_pre_ping", True)
-    return create_engine(parsed, **options)
+    # Long-lived workers outlive database restarts: a connection is checked before use,
+    # unless it was in use a moment ago (SQLAlchemy's pool_pre_ping checks every
+    # checkout: a round trip that was a tenth of a submit's and of a job's store time).
+    engine = create_engine(parsed, **options)
+    if not options.get("pool_pre_ping"):
+        _ping_when_idle(engine, PING_WHEN_IDLE_S)
+    return engine
+
+
+PING_WHEN_IDLE_S = 1.0  # a pooled connection idle longer is pinged when checked out
+
+
+def _ping_when_idle(engine: Engine, idle_s: float) -> None:
+    """Before a checkout, ping the connection if it was checked in over `idle_s` ago; a
+    dead one makes the pool connect anew (DisconnectionError: the pool's own retry). A
+    database that restarts under a connection used less than `idle_s` before fails that
+    one use, which the callers retry (workers/retry.py) or answer 503 (the API), and the
+    pool then drops every connection made before the failure."""
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi: Any, record: Any) -> None:
+        record.info["tidegate_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("tidegate_idle_since")
+        if since is None or time.monotonic() - since < idle_s:
+            return  # just connected, or in use a moment ago
+        try:
+            alive = engine.dialect.do_ping(dbapi)
+        except Exception as exc:
+            raise DisconnectionError("the pooled connection is dead") from exc
+        if not alive:
+            raise DisconnectionError("the pooled connection is dead")
 
 
 def _sqlite_engine(url: URL, options: dict[str, Any]) -> Engine:
