@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import tenant_for_key
 from api.errors import ApiError, malformed, not_found
+from api.limits import InFlightCounts
 from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
@@ -70,6 +71,7 @@ class Deps:
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)
         self.metrics = ApiMetrics()
+        self.in_flight = InFlightCounts(self.store.count_in_flight)
         self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
         self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
         self.metrics.sse_streams.set_function(self.streams.open)
@@ -160,6 +162,7 @@ def cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
         raise not_found("job")
     if job.status != JobStatus.CANCELLED:
         return job  # it had ended otherwise: nothing to cancel
+    deps.in_flight.forget(tenant_id)  # its place is free now, not at the next count
     client = deps.sync_redis
     ns = deps.settings.namespace
     client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)

@@ -9,7 +9,9 @@
 - Jobs in flight per tenant (queued or running): counted by the store, the truth, on an
   index of (tenant, status), so the count reads at most the cap's index entries and never
   drifts; a Redis counter would need every path that ends a job (worker, cancel, expiry,
-  reconciler, a Redis restart) to decrement it exactly once.
+  reconciler, a Redis restart) to decrement it exactly once. Each API process reads a
+  tenant's count at most every IN_FLIGHT_FRESH_S and adds the jobs it admitted since
+  (InFlightCounts): the count was a fifth of a submit's CPU when read on every one.
 
 Both caps are read, then the job written: concurrent submits can pass a bound by the
 number of admission threads. They are load bounds, not quotas.
@@ -17,7 +19,9 @@ number of admission threads. They are load bounds, not quotas.
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from api.errors import ApiError, over_limit
@@ -87,3 +91,40 @@ def check_in_flight(in_flight: int, cap: int) -> None:
         raise over_limit("too_many_in_flight", f"too many jobs in flight: this API key has "
                          f"{in_flight} jobs queued or running, at most {cap}; retry when "
                          f"some have ended", RETRY_AFTER_FULL_S)
+
+
+IN_FLIGHT_FRESH_S = 0.25  # how old a tenant's count of jobs in flight may be
+
+
+class InFlightCounts:
+    """A tenant's jobs in flight, as `count` (the store) says, read at most every
+    `fresh_s` per tenant, plus the jobs this process admitted since. A job that ended
+    meanwhile keeps its place until the next read (at most `fresh_s`), so the cap errs on
+    the side of refusing; a cancel through this process gives the place back at once."""
+
+    def __init__(self, count: Callable[[int], int], fresh_s: float = IN_FLIGHT_FRESH_S) -> None:
+        self._count = count
+        self._fresh_s = fresh_s
+        self._lock = threading.Lock()
+        self._known: dict[int, tuple[float, int]] = {}  # tenant -> (read at, count)
+
+    def get(self, tenant_id: int) -> int:
+        now = time.monotonic()
+        with self._lock:
+            read_at, known = self._known.get(tenant_id, (-1e9, 0))
+        if now - read_at <= self._fresh_s:
+            return known
+        counted = self._count(tenant_id)
+        with self._lock:
+            self._known[tenant_id] = (now, counted)
+        return counted
+
+    def admitted(self, tenant_id: int) -> None:
+        with self._lock:
+            read_at, known = self._known.get(tenant_id, (-1e9, 0))
+            self._known[tenant_id] = (read_at, known + 1)
+
+    def forget(self, tenant_id: int) -> None:
+        """The next get() reads the store (a job of the tenant ended here)."""
+        with self._lock:
+            self._known.pop(tenant_id, None)

@@ -54,6 +54,7 @@ class SubmitDeps(Protocol):
     celery: Celery
     prompts: PromptRenderer
     metrics: ApiMetrics
+    in_flight: limits.InFlightCounts
 
     def fleet(self) -> list[router.WorkerView]: ...
 
@@ -88,6 +89,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
     job, created, payload = persist(deps, checked, decision, system)
     if created:  # else a concurrent request with the same key made the job first
         publish(deps, checked, job, payload, system)
+        deps.in_flight.admitted(tenant.id)
     return _accepted(job, created)
 
 
@@ -179,10 +181,10 @@ def lane_backlog(deps: SubmitDeps, lane: Lane) -> dict[str, int]:
 
 def bound(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> None:
     """The load bounds (api/limits.py): the lane's depth, then the tenant's jobs in flight
-    (one indexed count in the store)."""
+    (an indexed count in the store, at most IN_FLIGHT_FRESH_S old)."""
     limits.check_queue_depth(checked.lane, deps.settings.max_queue_depth, checked.priority,
                              sum(backlog.values()))
-    limits.check_in_flight(deps.store.count_in_flight(checked.tenant.id),
+    limits.check_in_flight(deps.in_flight.get(checked.tenant.id),
                            deps.settings.max_in_flight_per_tenant)
 
 
