@@ -76,10 +76,16 @@ class EngineHost:
         """Deltas of one request, in order. Raises Cancelled or DeadlineExceeded."""
         out: queue.Queue[Any] = queue.Queue()
         self._call(self._pump(request, out, timeout_s))
-        while (item := out.get()) is not _END:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
+        while True:
+            items = _waiting(out)
+            deltas = [item for item in items if isinstance(item, Delta)]
+            if deltas:
+                yield merge(deltas)
+            if len(deltas) < len(items):  # the run's end (or its error) came last
+                end = items[-1]
+                if isinstance(end, BaseException):
+                    raise end
+                return
 
     async def _pump(self, request: EngineRequest, out: queue.Queue[Any],
                     timeout_s: float | None) -> None:
@@ -129,6 +135,36 @@ class EngineHost:
         task = self._tasks.get(request_id)
         if task is not None:
             task.cancel()
+
+
+def _waiting(out: queue.Queue[Any]) -> list[Any]:
+    """The next item, and every other one already waiting, up to and including the end.
+    A task thread that fell behind its engine (a busy host) then writes one event for
+    all the tokens that queued up meanwhile, not one per engine step: a token costs the
+    worker its share of one Redis write, whatever the load. Nothing waits for more."""
+    items = [out.get()]
+    while not (items[-1] is _END or isinstance(items[-1], BaseException)):
+        try:
+            items.append(out.get_nowait())
+        except queue.Empty:
+            break
+    return items
+
+
+def merge(deltas: list[Delta]) -> Delta:
+    """Consecutive deltas of one request as one."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    return Delta(text="".join(d.text for d in deltas),
+                 token_ids=tuple(i for d in deltas for i in d.token_ids),
+                 finished=last.finished,
+                 finish_reason=next((d.finish_reason for d in reversed(deltas)
+                                     if d.finish_reason), None),
+                 prompt_tokens=next((d.prompt_tokens for d in deltas
+                                     if d.prompt_tokens is not None), None),
+                 cached_tokens=next((d.cached_tokens for d in deltas
+                                     if d.cached_tokens is not None), None))
 
 
 def _name_os_thread(name: str) -> None:
