@@ -74,6 +74,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         driver.cancel()
         follower.cancel()
         deps.admission.close()
+        await deps.stream_hub.close()
         await deps.redis.aclose()
 
     app = FastAPI(title="tidegate", version="0.1.0", lifespan=lifespan)
@@ -284,11 +285,9 @@ class _EventReader:
     async def read(self, wait_s: float) -> tuple[bytes, bool]:
         """The events after the cursor as SSE frames, waiting up to `wait_s` for one (b""
         if none came), and whether the job's terminal event was among them."""
-        reply: Any = await self.deps.redis.xread({self.key: self.cursor},
-                                                 block=max(1, int(wait_s * 1000)), count=256)
-        if not reply:
+        entries = await self.deps.stream_hub.read(self.key, self.cursor, wait_s)
+        if not entries:
             return b"", False
-        entries = reply[0][1]
         self.cursor = entries[-1][0]
         self.seq = keys.seq_of(self.cursor)
         return _sse_frames(entries)

@@ -26,6 +26,7 @@ from api.limits import InFlightCounts
 from api.metrics import ApiMetrics, FleetCollector
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
+from api.streamhub import StreamHub
 from api.submit import submit as submit_job
 from scheduler.router import WorkerView
 from store import Store
@@ -61,12 +62,13 @@ class Deps:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.store = Store(settings.db_url)
-        # Each SSE stream holds a connection while its read blocks (up to a keep-alive
-        # period: the socket timeout is longer). The pool is bounded, so streams can never
-        # take the connections Redis has for the workers; the stream cap keeps it unspent.
+        # SSE streams wait on one shared XREAD (api/streamhub.py), not a connection each;
+        # the pool is bounded all the same (the socket timeout is longer than any block),
+        # so the API can never take the connections Redis has for the workers.
         self.redis: Any = redisconn.async_client(
             settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
             pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10)
+        self.stream_hub = StreamHub(self.redis, settings.namespace)  # SSE reads, one XREAD
         self.sync_redis = redisconn.sync_client(settings.redis_url)  # handler threads
         self.celery: Celery = make_app(settings)
         self.prompts = PromptRenderer(settings.model_path)

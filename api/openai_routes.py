@@ -110,11 +110,9 @@ class _Watch:
 
     async def events(self, wait_s: float) -> list[Event]:
         """The job's next events, waiting up to `wait_s` for one ([] if none came)."""
-        reply: Any = await self.deps.redis.xread({self.key: self.cursor},
-                                                 block=max(1, int(wait_s * 1000)), count=256)
-        if not reply:
+        entries = await self.deps.stream_hub.read(self.key, self.cursor, wait_s)
+        if not entries:
             return []
-        entries = reply[0][1]
         self.cursor = entries[-1][0]
         return [Event.from_json(fields[b"e"]) for _, fields in entries]
 

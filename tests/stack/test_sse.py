@@ -193,3 +193,41 @@ def test_a_stream_at_its_longest_life_asks_for_a_reconnect(api: Api) -> None:
     api.append(job_id, 1, "done")
     again = read(api, job_id, headers={"Last-Event-ID": "0"})
     assert [(f.id, f.event) for f in again.frames] == [("1", "done")]
+
+
+def test_streams_read_at_once_each_get_their_own_events_in_order(api: Api) -> None:
+    """The API reads every waiting stream with one XREAD (api/streamhub.py): streams that
+    wait at once, two of them on one job from different places, each get exactly their
+    job's events after their Last-Event-ID, in order, as a worker appends them
+    interleaved across the jobs."""
+    import threading
+
+    jobs = [api.submit() for _ in range(6)]
+    readers: dict[str, Read] = {}
+    starts = [(job_id, job_id, None) for job_id in jobs]
+    api.append(jobs[0], 0, "started")
+    api.append(jobs[0], 1, "token")
+    starts.append(("second reader", jobs[0], "0"))  # has event 0 already
+
+    def reader(name: str, job_id: str, last: str | None) -> None:
+        readers[name] = read(api, job_id, headers={"Last-Event-ID": last} if last else None)
+
+    threads = [threading.Thread(target=reader, args=start) for start in starts]
+    for thread in threads:
+        thread.start()
+    for seq in range(4):
+        for job_id in jobs:
+            if job_id == jobs[0] and seq < 2:
+                continue  # written before the readers started
+            api.append(job_id, seq, "started" if seq == 0 else "token")
+    for job_id in reversed(jobs):
+        api.append(job_id, 4, "done")
+    for thread in threads:
+        thread.join(DEADLINE_S + 5)
+    for name, job_id, last in starts:
+        got = readers[name]
+        first = 0 if last is None else int(last) + 1
+        assert got.status == 200
+        assert [f.id for f in got.frames] == [str(s) for s in range(first, 5)], (name, got)
+        assert [f.event for f in got.frames][-1] == "done"
+        assert all(f.data["job_id"] == job_id for f in got.frames)
