@@ -26,6 +26,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    null,
     or_,
     select,
     update,
@@ -191,6 +192,28 @@ _FIRST_TOKEN = (
             cached_tokens=bindparam("cached"))
 )
 _INSERT_JOB = insert(_JOBS).returning(*_JOB_COLUMNS)
+
+
+def _given(name: str, column: Any) -> Any:
+    """The parameter `name` where given, else the column's value."""
+    return func.coalesce(bindparam(name, type_=column.type), column)
+
+
+_END_RUNNING = (
+    update(_JOBS)
+    .where(_BY_ID, _JOBS.c.status.in_(ACTIVE_STATUSES))
+    .values(
+        status=bindparam("to_status"),
+        finished_at=bindparam("finished_at", type_=UTCDateTime()),
+        finish_reason=_given("finish_reason", _JOBS.c.finish_reason),
+        output_text=_given("output_text", _JOBS.c.output_text),
+        completion_tokens=_given("completion_tokens", _JOBS.c.completion_tokens),
+        error=_given("error", _JOBS.c.error),
+        tpot_ms=_given("tpot", _JOBS.c.tpot_ms),
+        payload=null(),
+    )
+    .returning(*_JOB_COLUMNS)
+)
 _COUNT_IN_FLIGHT = (select(func.count()).select_from(_JOBS)
                     .where(_JOBS.c.tenant_id == bindparam("tenant_id"),
                            _JOBS.c.status.in_(ACTIVE_STATUSES)))
@@ -484,12 +507,22 @@ class Store:
         completion_tokens: int | None = None,
         error: str | None = None,
         finished_at: datetime | None = None,
+        first_token_at: datetime | None = None,
     ) -> tuple[bool, JobRecord | None]:
         """finish_job, and the row as it then is (None: unknown job): a worker's `done`
-        event carries the row's timings, and reading them here saves a read after."""
+        event carries the row's timings, and reading them here saves a read after.
+
+        `first_token_at`: the row's, when the caller wrote it (the worker's attempt that
+        marked the first token). The usual end, of a job still running, is then one
+        UPDATE; any other goes through a read of the locked row."""
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"not a terminal status: {status!r}")
         end = _aware(finished_at) if finished_at else utcnow()
+        if first_token_at is not None:
+            ended = self._end_running(job_id, status, end, first_token_at, finish_reason,
+                                      output_text, completion_tokens, error)
+            if ended is not None:
+                return True, ended
         values = {
             "finish_reason": finish_reason,
             "output_text": output_text,
@@ -522,6 +555,23 @@ class Store:
                 conn.execute(insert(_WEBHOOK_DELIVERIES).values(
                     **_webhook_outbox_row(job["id"], job["tenant_id"], job["callback_url"])))
             return active, row_job_record(job)
+
+    def _end_running(self, job_id: str, status: str, end: datetime, first_token_at: datetime,
+                     finish_reason: str | None, output_text: str | None,
+                     completion_tokens: int | None, error: str | None) -> JobRecord | None:
+        """end_job of a job still queued or running, in one UPDATE; None when it was not."""
+        params = {"job_id": job_id, "to_status": status, "finished_at": end,
+                  "finish_reason": finish_reason, "output_text": output_text,
+                  "completion_tokens": completion_tokens, "error": error,
+                  "tpot": _tpot_ms(_aware(first_token_at), end, completion_tokens)}
+        with self._write_conn() as conn:
+            row = conn.execute(_END_RUNNING, params).mappings().one_or_none()
+            if row is None:
+                return None
+            if row["callback_url"]:  # a running job has not ended before: its one webhook
+                conn.execute(insert(_WEBHOOK_DELIVERIES).values(
+                    **_webhook_outbox_row(job_id, row["tenant_id"], row["callback_url"])))
+        return row_job_record(row)
 
     def cancel_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
         """Cancel a queued or running job; terminal jobs come back unchanged.

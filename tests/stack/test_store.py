@@ -31,6 +31,7 @@ from store import (
     make_engine,
     upgrade,
 )
+from store.webhooks import Webhooks
 from tests.helpers import postgres_or_skip
 from tidegate_tools.pg import private_database
 
@@ -312,6 +313,40 @@ def test_first_token_and_finish_timings(store: Store, tenant_id: int) -> None:
         store.mark_first_token(single.id, datetime.now())
     with pytest.raises(ValueError, match="terminal"):
         store.finish_job(single.id, "running")
+
+
+def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
+        store: Store, tenant_id: int) -> None:
+    """end_job given the first token's time (a worker that wrote it) ends a running job
+    in one UPDATE: the same row as without it, its webhook in the outbox; a job cancelled
+    meanwhile takes the locked read's way and stays cancelled."""
+    rows = []
+    for hint in (True, False):
+        job = new_job(store, tenant_id, callback_url="https://crm.example.com/hook")
+        started = store.claim_job(job.id, "w1", "vllm")
+        assert started is not None and started.started_at is not None
+        first = started.started_at + timedelta(milliseconds=250)
+        assert store.mark_first_token(job.id, first)
+        end = first + timedelta(seconds=1)
+        ended, row = store.end_job(job.id, "done", finish_reason="stop", output_text="hi",
+                                   completion_tokens=11, finished_at=end,
+                                   first_token_at=first if hint else None)
+        assert ended and row == store.get_job(job.id)
+        assert row is not None and row.tpot_ms == pytest.approx(100.0)
+        assert len(Webhooks(store).of_job(job.id, tenant_id)) == 1
+        rows.append(row)
+    ignored = {"id", "enqueued_at", "started_at", "first_token_at", "finished_at",
+               "queue_wait_ms", "ttft_ms"}
+    same = [{k: v for k, v in vars(r).items() if k not in ignored} for r in rows]
+    assert same[0] == same[1]
+
+    running = new_job(store, tenant_id)
+    store.claim_job(running.id, "w1", "vllm")
+    store.cancel_job(running.id)
+    ended, row = store.end_job(running.id, "done", completion_tokens=2,
+                               first_token_at=datetime.now(UTC))
+    assert not ended and row is not None and row.status == "cancelled"
+    assert row.completion_tokens == 2 and row.finished_at is not None
 
 
 def test_cancel_queued_and_running(store: Store, tenant_id: int) -> None:
