@@ -119,6 +119,25 @@ class Settings(BaseSettings):
     reconcile_grace_s: float = Field(5.0, gt=0)
     alloc_latency_threshold_ms: float = Field(200.0, gt=0)  # health: KV allocation latency
 
+    # Operations (README, "Operations"). Bind addresses: 127.0.0.1 keeps a process off the
+    # network; a container or a cluster sets 0.0.0.0.
+    # Each worker serves its own /metrics (tidegate's and its engine's) here, the scheduler
+    # its own (queue depth, workers by state, recoveries); 0 turns one off. Two workers on
+    # one machine need two ports (`tidegate worker --metrics-port`).
+    metrics_host: str = "127.0.0.1"
+    worker_metrics_port: int = Field(9400, ge=0, le=65535)
+    scheduler_metrics_port: int = Field(9399, ge=0, le=65535)
+    # Logs: "json" (one object a line), "text" (for a person), "auto" (text on a terminal,
+    # JSON otherwise). Never prompt or output text, in either.
+    log_format: Literal["auto", "json", "text"] = "auto"
+    log_level: str = "INFO"
+    # Traces: an OTLP/HTTP endpoint (http://collector:4318); empty turns tracing off.
+    otlp_endpoint: str = ""
+    # The API's tokenizer files (tokenizer.json, tokenizer_config.json); empty: the
+    # model's folder. An API pod needs these, not the weights.
+    tokenizer: str = ""
+
+    flower_host: str = "127.0.0.1"
     flower_port: int = Field(5555, ge=1, le=65535)
     flower_user: str = "admin"
     # No default: `tidegate flower` refuses to start without one (tidegate_tools/cli.py).
