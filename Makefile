@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # sed (not grep) so the pipeline's status stays pip's own under pipefail.
 QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: venv model demo test test-faults test-unit lint bench clean
+.PHONY: venv model ops-tools demo test test-faults test-unit lint bench clean
 
 venv: $(STAMP)
 
@@ -35,8 +35,20 @@ demo: venv
 
 # Both floors: tests/unit (no process, no socket) and tests/stack (real Redis, Celery
 # workers hosting vLLM on CPU, SQLite and PostgreSQL).
-test: venv model
+test: venv model ops-tools
 	$(PY) -m pytest -q -m "not faults"
+
+# Debian's promtool (alert rules and their unit tests) and docker-compose (the compose
+# file's `config`), for tests/unit/test_dashboard.py and test_deploy.py. Best effort: as
+# root where apt works; without them those tests skip, saying why.
+ops-tools:
+	@if ! command -v promtool >/dev/null || ! command -v docker-compose >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends prometheus docker-compose >/dev/null) \
+	      || echo "ops-tools: apt-get failed; the promtool and compose tests will skip"; \
+	  else echo "ops-tools: not root; the promtool and compose tests will skip"; fi; \
+	fi
 
 # Fault drills that start a vLLM worker of their own (tests/stack/test_worker_faults.py).
 test-faults: venv model

@@ -16,6 +16,7 @@ counted here too (StreamSlots): in all and per tenant, each over its cap a 429.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import queue
 import threading
@@ -48,7 +49,10 @@ class Admission:
                               "admitted; retry in 1 s", retry_after_s=1, kind="overloaded")
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
-        self._pending.put((rank, next(self._arrival), fn, args, loop, done))
+        # Run in the caller's context (as asyncio.to_thread does): the request's trace span
+        # stays current in the admission thread, where the job row gets its trace id.
+        call = contextvars.copy_context().run
+        self._pending.put((rank, next(self._arrival), call, (fn, *args), loop, done))
         return await done
 
     def close(self) -> None:

@@ -41,13 +41,15 @@ from api.deps import (
     lane_rank,
 )
 from api.errors import ApiError, malformed, not_found, unavailable
+from api.fleet import fleet_report
 from api.openai_api import error_body
 from api.schemas import JobRequest, parse_job_request
 from store.batches import Batches
 from tidegate import keys
 from tidegate.events import TERMINAL, Event
-from tidegate.records import Heartbeat, WorkerState
+from tidegate.fleet import read_fleet
 from tidegate.settings import Settings, get_settings
+from tidegate.tracing import setup_tracing
 
 log = logging.getLogger("tidegate.api")
 
@@ -66,13 +68,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # (cores + 4), so SSE readers' lookups do not queue behind a burst of submits.
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
-        follower = asyncio.create_task(deps.metrics.follow(deps.redis, settings.namespace))
         driver = asyncio.create_task(batches.Driver(deps, batch_store).run())
         auth_changes = asyncio.create_task(follow_changes(deps.redis, settings.namespace))
         yield
         auth_changes.cancel()
         driver.cancel()
-        follower.cancel()
         deps.admission.close()
         await deps.stream_hub.close()
         await deps.redis.aclose()
@@ -89,20 +89,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     admin.install(app, deps)
     _ops_routes(app, deps)
     openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
+    _trace(app, settings)
     return app
+
+
+def _trace(app: FastAPI, settings: Settings) -> None:
+    """With an OTLP endpoint, a span per request (continuing a client's `traceparent`);
+    a submit writes its trace id on the job row and hands the context to the task."""
+    provider = setup_tracing(settings, "tidegate-api")
+    if provider is None:
+        return
+    from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+
+    # Probes and scrapes are not traced; nor is each SSE frame (ASGI send spans).
+    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider,
+                                       excluded_urls="/healthz,/readyz,/metrics",
+                                       exclude_spans=["receive", "send"])
 
 
 async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     """An ApiError as its JSON body, naming the field at fault, with its headers; counted
-    by field (`none` when no field is at fault: a 404, a 503) for ops' refusal alerts."""
+    by the error's type and status (tidegate_requests_rejected_total) for ops' alerts."""
     assert isinstance(exc, ApiError)
     metrics = request.app.state.deps.metrics
-    metrics.rejected.labels(exc.field or "none").inc()
-    if exc.status in (429, 503):
-        metrics.shed.labels(exc.kind).inc()
     if openai_routes.is_openai_path(request.url.path):
         status, body = error_body(exc)
+        metrics.refused(exc.kind, status)
         return JSONResponse(body, status_code=status, headers=exc.headers)
+    metrics.refused(exc.kind, exc.status)
     body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
@@ -177,10 +191,17 @@ def _ops_routes(app: FastAPI, deps: Deps) -> None:
         ok = all(c["ok"] for c in checks.values())
         return JSONResponse({"ready": ok, "checks": checks}, status_code=200 if ok else 503)
 
+    @app.get("/fleetz")
+    async def fleetz() -> JSONResponse:
+        # Redis down: its RedisError is the 503 of handle_unreachable.
+        fleet = await asyncio.to_thread(read_fleet, deps.sync_redis, deps.settings.namespace)
+        report = fleet_report(fleet, deps.settings.lanes)
+        return JSONResponse(report, status_code=200 if report["ready"] else 503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
-        # The fleet's gauges read Redis: not on the event loop.
-        body = await asyncio.to_thread(generate_latest, deps.metrics.registry)
+        # Only this process's own counters (api/metrics.py): no I/O, cheap on the loop.
+        body = generate_latest(deps.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -263,7 +284,8 @@ async def _sse(deps: Deps, job: Any, after: int) -> AsyncIterator[bytes]:
             if end is None:
                 yield b": keep-alive\n\n"
     except aioredis.RedisError as exc:
-        log.warning("SSE of job %s: Redis failed (%s)", job.id, type(exc).__name__)
+        log.warning("SSE of job %s: Redis failed (%s)", job.id, type(exc).__name__,
+                    extra={"job_id": job.id})
         end = ("unavailable", f"Redis is unavailable: reconnect with Last-Event-ID {reader.seq} "
                "in a few seconds")
     yield _error_frame(*end)
@@ -305,7 +327,8 @@ class _EventReader:
             try:
                 job = await asyncio.to_thread(self.deps.store.get_job, self.job_id)
             except SQLAlchemyError as exc:  # the store's outage must not end a stream
-                log.warning("SSE of job %s: store failed (%s)", self.job_id, type(exc).__name__)
+                log.warning("SSE of job %s: store failed (%s)", self.job_id,
+                            type(exc).__name__, extra={"job_id": self.job_id})
                 return None
         return self._job_ended(job)
 
@@ -347,6 +370,8 @@ def _sse_frames(entries: list[Any]) -> tuple[bytes, bool]:
 
 
 async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
+    """What this API process needs to serve, and nothing more: no worker (GET /fleetz,
+    api/fleet.py), so a rolling worker restart takes no API out of its load balancer."""
     checks: dict[str, dict[str, Any]] = {}
     try:
         await deps.redis.ping()
@@ -358,17 +383,5 @@ async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
         checks["database"] = {"ok": True}
     except Exception as exc:
         checks["database"] = {"ok": False, "error": type(exc).__name__}
-    checks["workers"] = await _workers_check(deps) if checks["redis"]["ok"] else {"ok": False}
     checks["tokenizer"] = deps.prompts.readiness()
     return checks
-
-
-async def _workers_check(deps: Deps) -> dict[str, Any]:
-    ready = []
-    pattern = keys.worker_heartbeat_pattern(deps.settings.namespace)
-    async for key in deps.redis.scan_iter(match=pattern, count=100):
-        raw = await deps.redis.get(key)
-        hb = Heartbeat.from_json(raw) if raw else None
-        if hb is not None and hb.state == WorkerState.ACTIVE:
-            ready.append(hb.name)
-    return {"ok": bool(ready), "active": sorted(ready)}

@@ -23,7 +23,7 @@ from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import tenant_for_key
 from api.errors import ApiError, malformed, not_found
 from api.limits import InFlightCounts
-from api.metrics import ApiMetrics, FleetCollector
+from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from api.streamhub import StreamHub
@@ -43,7 +43,7 @@ SUBMIT_THREADS = 4
 UNKNOWN_LANE_RANK = 100.0
 RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
 FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
-# Redis connections beyond one per SSE stream: the metrics follower, readiness, cancels.
+# Redis connections beyond one per SSE stream: readiness, cancels, auth changes.
 REDIS_SPARE_CONNECTIONS = 8
 REDIS_POOL_WAIT_S = 5.0  # a command waits this long for a free connection, then 503s
 # Headers: the idempotency key fits the store's column; an API key is 46 characters.
@@ -71,15 +71,14 @@ class Deps:
         self.stream_hub = StreamHub(self.redis, settings.namespace)  # SSE reads, one XREAD
         self.sync_redis = redisconn.sync_client(settings.redis_url)  # handler threads
         self.celery: Celery = make_app(settings)
-        self.prompts = PromptRenderer(settings.model_path)
+        # The tokenizer's files only: an API pod holds no weights (TIDEGATE_TOKENIZER).
+        self.prompts = PromptRenderer(settings.tokenizer_path)
         self.metrics = ApiMetrics()
         self.in_flight = InFlightCounts(self.store.count_in_flight)
         self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
         self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
         self.metrics.sse_streams.set_function(self.streams.open)
         self.recent_lanes = RecentLanes(RECENT_JOBS)
-        self.metrics.registry.register(FleetCollector(
-            lambda: read_fleet(self.sync_redis, settings.namespace)))
         self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
         self._fleet_lock = threading.Lock()
 

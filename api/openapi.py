@@ -151,6 +151,7 @@ async def framework_error(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == HTTPStatus.METHOD_NOT_ALLOWED:
         headers["Allow"] = ", ".join(sorted(_methods_of_path(request)))
     kind = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
+    request.app.state.deps.metrics.refused(kind, exc.status_code)
     body = {"error": {"type": kind, "field": None, "message": str(exc.detail)}}
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
@@ -214,6 +215,13 @@ def _schemas(lanes: Mapping[str, Lane]) -> Json:
             "checks": {"type": "object", "additionalProperties": {
                 "type": "object", "required": ["ok"],
                 "properties": {"ok": {"type": "boolean"}}}}}},
+        "Fleet": {"type": "object", "required": ["ready", "workers", "lanes"], "properties": {
+            "ready": {"type": "boolean"},
+            "workers": {"type": "object", "description": "Workers heartbeating, by state.",
+                        "additionalProperties": {"type": "integer"}},
+            "lanes": {"type": "object", "description": "Each lane's workers: by state, "
+                      "then by engine pool, their names.",
+                      "additionalProperties": {"type": "object", "required": ["ready"]}}}},
     }
     for name in HIDDEN_JOB_FIELDS:  # a job as GET and DELETE return it
         schemas["Job"]["properties"].pop(name)
@@ -299,8 +307,12 @@ def _operations() -> dict[tuple[str, str], Json]:
         ("/healthz", "get"): {"operationId": "health",
                               "responses": {"200": _json("The process is up.", "Health")}},
         ("/readyz", "get"): {"operationId": "readiness", "responses": {
-            "200": _json("Redis, the database and an active worker answer.", "Readiness"),
+            "200": _json("This API can serve: Redis, the database and its tokenizer answer "
+                         "(workers: /fleetz).", "Readiness"),
             "503": _json("Something is not ready: `checks` says what.", "Readiness")}},
+        ("/fleetz", "get"): {"operationId": "fleet", "responses": {
+            "200": _json("Every lane has an active worker.", "Fleet"),
+            "503": _json("A lane has no active worker: `lanes` says which.", "Fleet")}},
         ("/metrics", "get"): {"operationId": "metrics", "responses": {"200": {
             "description": "Prometheus metrics.",
             "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}}},

@@ -36,7 +36,7 @@ from store import JobRecord, SessionOwnerError, SessionRecord, Store
 from tasks import webhooks
 from tasks.app import queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tidegate import hot, keys
+from tidegate import hot, keys, tracing
 from tidegate.lanes import Lane, pool_queue, redis_priority
 from tidegate.settings import Settings
 
@@ -87,6 +87,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
     charge(deps, checked)
     system = _system_prefix(deps, checked.req)
     job, created, payload = persist(deps, checked, decision, system)
+    tracing.annotate(job_id=job.id, lane=job.lane)
     if created:  # else a concurrent request with the same key made the job first
         publish(deps, checked, job, payload, system)
         deps.in_flight.admitted(tenant.id)
@@ -223,7 +224,8 @@ def persist(deps: SubmitDeps, checked: Checked, decision: router.Route,
             req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
             idempotency_key=checked.idempotency_key, lora=req.lora,
             route_reason=decision.reason, payload=payload.to_dict(),
-            callback_url=req.callback_url or checked.tenant.webhook_url)
+            callback_url=req.callback_url or checked.tenant.webhook_url,
+            trace_id=tracing.current_trace_id())
     except SessionOwnerError:
         # Another tenant took the session id after check() read it. The transaction
         # rolled back with it: there is no row to take back.
@@ -239,14 +241,17 @@ def _payload(deps: SubmitDeps, checked: Checked, job_id: str, system: str) -> Ge
         session_id=req.session_id,
         deadline_at=time.time() + (req.deadline_s or checked.lane.deadline_s), lora=req.lora,
         shared_prefix_tokens=deps.prompts.count_prefix(system),
-        cache_salt=checked.lane.cache_salt(checked.tenant.id))
+        cache_salt=checked.lane.cache_salt(checked.tenant.id),
+        trace_context=tracing.carrier())
 
 
 def publish(deps: SubmitDeps, checked: Checked, job: JobRecord, payload: GeneratePayload,
             system: str) -> None:
     """Send the job's task, then count it (metrics, the lane's traffic sample)."""
     _send(deps, job, payload)
-    deps.metrics.jobs.labels(checked.req.lane).inc()
+    log.info("job %s queued on %s at priority %d, %d prompt tokens", job.id, job.queue,
+             job.priority, checked.prompt_tokens, extra={"job_id": job.id, "lane": job.lane})
+    deps.metrics.admitted.labels(checked.req.lane).inc()
     _sample_traffic(deps, checked.lane, system)
 
 
@@ -259,7 +264,8 @@ def _send(deps: SubmitDeps, job: JobRecord, payload: GeneratePayload) -> None:
         # send fails, the row is deleted and the caller told to retry. A process dying
         # between the two leaves a queued row with no message: the reconciler sends it
         # from the row's payload (scheduler/reconcile.py).
-        log.error("enqueue of job %s failed: %s", job.id, type(exc).__name__)
+        log.error("enqueue of job %s failed: %s", job.id, type(exc).__name__,
+                  extra={"job_id": job.id, "lane": job.lane})
         deps.store.delete_job(job.id)
         raise unavailable("the job queue is unavailable; retry later") from None
 

@@ -1,8 +1,10 @@
 """The scheduler process: Celery beat plus the periodic tasks it drives.
 
 `tidegate scheduler` runs a small Celery worker with an embedded beat, consuming only the
-scheduler's own queue. Each periodic task takes a Redis lock for its period first, so a
-second scheduler (two beats) sends the same ticks but only one of them acts. Two periodic
+scheduler's own queue. The beat is celery-redbeat's (scheduler/beat.py): its schedule and a
+lock live in Redis, so of several replicas one beat sends the ticks and none writes a
+schedule file. Each periodic task also takes a Redis lock for its period first, so a tick
+sent twice (a beat taking over from one that stalled) acts once. Two periodic
 tasks: the tick (traffic, desired states, pre-warm, health) every `scheduler_tick_s`, and
 the reconciler (scheduler/reconcile.py: Redis made to agree with the store) every
 `reconcile_s`, on a thread of its own so a long tick (a rolling restart) never holds it.
@@ -17,10 +19,12 @@ from typing import Any
 
 from celery import Celery
 
-from scheduler import autoscale, control, health, reconcile
+from scheduler import autoscale, control, health, metrics, reconcile
+from scheduler.beat import beat_config
 from store import Store
-from tasks.app import make_app
+from tasks.app import make_app, run_celery
 from tidegate import keys, redisconn
+from tidegate.logs import setup_logging
 from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.scheduler")
@@ -76,11 +80,13 @@ def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -
     result = reconcile.reconcile(app, client, store, settings)
     for action in result.get("actions", []):
         record_action(client, settings.namespace, action)
+        metrics.count_recovery(action)
     return result
 
 
 def make_scheduler_app(settings: Settings) -> Celery:
     app = make_app(settings)
+    app.conf.update(beat_config(settings))
     app.conf.beat_schedule = {
         "tick": {"task": TICK, "schedule": settings.scheduler_tick_s,
                  "options": {"queue": scheduler_queue(settings)}},
@@ -105,9 +111,10 @@ def make_scheduler_app(settings: Settings) -> Celery:
 
 def run_scheduler(loglevel: str = "INFO") -> None:
     settings = get_settings()
+    setup_logging(settings, "scheduler")
+    metrics.serve(settings, redisconn.sync_client(settings.redis_url), Store(settings.db_url))
     app = make_scheduler_app(settings)
     # Threads: a tick, a reconciler pass, and one spare for a tick that runs long.
-    app.worker_main(["worker", "-B", "-P", "threads", "-c", "3", "-Q",
+    run_celery(app, ["worker", "-B", "-P", "threads", "-c", "3", "-Q",
                      scheduler_queue(settings), "-n", f"scheduler-{int(time.time())}@%h",
-                     "--loglevel", loglevel, "--without-gossip", "--without-mingle",
-                     "-s", str(settings.data_dir / f"beat-schedule-{time.time_ns()}")])
+                     "--loglevel", loglevel, "--without-gossip", "--without-mingle"])

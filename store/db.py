@@ -123,7 +123,7 @@ def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: in
                 session_id: str | None, sampling: dict[str, Any], prompt_tokens: int,
                 idempotency_key: str | None, lora: str | None,
                 route_reason: str | None, payload: dict[str, Any] | None,
-                callback_url: str | None = None) -> Job:
+                callback_url: str | None = None, trace_id: str | None = None) -> Job:
     return Job(
         id=job_id,
         tenant_id=tenant_id,
@@ -141,6 +141,7 @@ def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: in
         route_reason=route_reason,
         payload=dict(payload) if payload is not None else None,
         callback_url=callback_url,
+        trace_id=trace_id,
     )
 
 
@@ -343,6 +344,7 @@ class Store:
         route_reason: str | None = None,
         payload: dict[str, Any] | None = None,
         callback_url: str | None = None,
+        trace_id: str | None = None,
     ) -> tuple[JobRecord, bool, int]:
         """Write a queued job and count its session's turn (0 without a session) in one
         transaction; returns (job, created, turn).
@@ -355,6 +357,8 @@ class Store:
         created=False and turn 0, and no turn is counted. A session owned by another
         tenant raises SessionOwnerError and writes nothing: the API checked the owner
         before, so only a race gets here, and the rollback leaves no row to take back.
+
+        trace_id: the submit's OpenTelemetry trace (tidegate/tracing.py), None if untraced.
         """
         if idempotency_key is not None:
             existing = self.job_by_idempotency_key(tenant_id, idempotency_key)
@@ -362,7 +366,7 @@ class Store:
                 return existing, False, 0
         row = _queued_job(job_id, tenant_id, lane, queue, priority, session_id, sampling,
                           prompt_tokens, idempotency_key, lora, route_reason, payload,
-                          callback_url)
+                          callback_url, trace_id)
         return self._insert_job(row, turn_of=session_id)
 
     def _insert_job(self, row: Job, turn_of: str | None) -> tuple[JobRecord, bool, int]:
@@ -600,6 +604,15 @@ class Store:
         read on every submit (the API's in-flight cap), so no longer than the cap."""
         with self._read_conn() as conn:
             return conn.execute(_COUNT_IN_FLIGHT, {"tenant_id": tenant_id}).scalar() or 0
+
+    def in_flight_by_lane(self) -> dict[tuple[str, str], int]:
+        """Queued and running jobs by (lane, status), in one GROUP BY over the partial
+        index ix_jobs_unended (the live backlog, not the history): the scheduler's gauge."""
+        stmt = (select(Job.lane, Job.status, func.count())
+                .where(Job.finished_at.is_(None), Job.status.in_(ACTIVE_STATUSES))
+                .group_by(Job.lane, Job.status))
+        with self._read_conn() as conn:
+            return {(lane, status): count for lane, status, count in conn.execute(stmt)}
 
     def expire_job(self, job_id: str) -> bool:
         """A queued or running job whose deadline passed becomes expired; True when it did."""

@@ -150,6 +150,9 @@ class Job(Base):
     payload: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     # Where the job's end is POSTed, signed (tasks/webhooks.py); None: no webhook.
     callback_url: Mapped[str | None] = mapped_column(String(2048))
+    # The OpenTelemetry trace the job's spans belong to (32 hex digits; tidegate/tracing.py):
+    # the submit's. None when the API that accepted it was not tracing.
+    trace_id: Mapped[str | None] = mapped_column(String(32))
 
 
 class ChatSession(Base):

@@ -77,6 +77,7 @@ class JobRecord:
     route_reason: str | None = None
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache (1st token)
     callback_url: str | None = None  # where the job's end is POSTed (a webhook)
+    trace_id: str | None = None  # its OpenTelemetry trace (32 hex digits); None: not traced
 
     @property
     def terminal(self) -> bool:

@@ -12,7 +12,7 @@ import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import or_, select, update
+from sqlalchemy import func, or_, select, update
 
 from store.db import Store, utcnow
 from store.models import Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret
@@ -104,6 +104,15 @@ class Webhooks:
             for row in rows:
                 row.status, row.next_attempt_at = SENDING, now + lease
             return [_delivery(row) for row in rows]
+
+    def backlog(self) -> tuple[int, datetime | None]:
+        """Deliveries not delivered nor given up yet (pending, or sending), and when the
+        oldest of them was written (None: none wait)."""
+        stmt = (select(func.count(), func.min(WebhookDelivery.created_at))
+                .where(WebhookDelivery.status.in_((PENDING, SENDING))))
+        with self.store._read() as session:
+            count, oldest = session.execute(stmt).one()
+        return int(count), oldest
 
     def get(self, delivery_id: str) -> DeliveryRecord | None:
         with self.store._read() as session:

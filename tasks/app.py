@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from kombu import Exchange, Queue
 
 from tasks import broker  # noqa: F401 - registers the fixed Redis transports with kombu
@@ -76,6 +76,29 @@ def make_app(settings: Settings) -> Celery:
 def celery_app() -> Celery:
     """This process's app, on the environment's settings."""
     return make_app(get_settings())
+
+
+def run_celery(app: Celery, argv: list[str]) -> None:
+    """`celery <argv>` (a worker, with or without its beat, or Flower) in the log format
+    the process set up before (tidegate/logs.py `setup_logging`): a receiver of Celery's
+    `setup_logging` signal keeps Celery from configuring logging itself (its plain format
+    on the root and task loggers); `-q` drops the startup banner it prints past every
+    logger; the warm-shutdown notice it prints on SIGTERM is turned off once it is ready."""
+    signals.setup_logging.connect(_logging_is_set_up, weak=False)
+    signals.worker_ready.connect(_quiet_shutdown, weak=False)
+    app.start(["-q", *argv])
+
+
+def _logging_is_set_up(**_: Any) -> None:
+    """Celery's setup_logging signal: nothing to do, tidegate.logs did it."""
+
+
+def _quiet_shutdown(sender: Any = None, **_: Any) -> None:
+    from celery.apps.worker import install_worker_term_handler
+
+    worker = getattr(sender, "controller", None)  # the consumer's WorkController
+    if worker is not None:
+        install_worker_term_handler(worker, verbose=False)
 
 
 def queue_lengths(client: Any, queues: list[str]) -> dict[str, int]:

@@ -43,6 +43,10 @@ class GeneratePayload:
     shared_prefix_tokens: int = 0
     # The tenant's prefix-cache salt (Lane.cache_salt); None: the lane shares its cache.
     cache_salt: str | None = None
+    # The submit's W3C trace context (`traceparent`, `tracestate`; tidegate/tracing.py):
+    # the worker's job span continues the API's trace. Kept with the stored payload, so a
+    # job sent again by the reconciler stays in its trace. Empty: the API was not tracing.
+    trace_context: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
 
     def to_dict(self) -> dict[str, Any]:

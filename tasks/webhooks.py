@@ -41,8 +41,9 @@ from standardwebhooks.webhooks import Webhook
 
 from store import JobRecord, Store
 from store.webhooks import DeliveryRecord, Webhooks
-from tasks.app import make_app
+from tasks.app import make_app, run_celery
 from tidegate import keys, redisconn
+from tidegate.logs import setup_logging
 from tidegate.settings import Settings, get_settings
 
 log = logging.getLogger("tidegate.webhooks")
@@ -172,7 +173,8 @@ def _record(hooks: Webhooks, delivery: DeliveryRecord, status: int | None, error
                                  due if due < give_up else None)
     outcome = after.status if after is not None else "already settled"
     log.info("webhook %s of job %s: attempt %d, %s, %s", delivery.id, delivery.job_id,
-             delivery.attempts + 1, status or error, outcome)
+             delivery.attempts + 1, status or error, outcome,
+             extra={"job_id": delivery.job_id})
     return outcome
 
 
@@ -217,10 +219,11 @@ def _dispatch_forever(app: Celery, settings: Settings, store: Store) -> None:
 def run_webhook_worker(loglevel: str = "INFO") -> None:
     """`tidegate webhooks`: the delivery tasks on threads, and the dispatcher."""
     settings = get_settings()
+    setup_logging(settings, "webhooks")
     store = Store(settings.db_url)
     app = make_webhook_app(settings, store)
     threading.Thread(target=_dispatch_forever, args=(app, settings, store), daemon=True,
                      name="webhook-dispatch").start()
-    app.worker_main(["worker", "-P", "threads", "-c", str(settings.webhook_concurrency),
+    run_celery(app, ["worker", "-P", "threads", "-c", str(settings.webhook_concurrency),
                      "-Q", webhook_queue(settings), "-n", f"webhooks-{int(time.time())}@%h",
                      "--loglevel", loglevel, "--without-gossip", "--without-mingle"])

@@ -27,6 +27,10 @@ os.environ.update({
     "TIDEGATE_NAMESPACE": "tgtest",
     "TIDEGATE_HEARTBEAT_S": "0.5",
     "TIDEGATE_KV_CACHE_GIB": "1",
+    # No process binds the default metrics ports (a demo on this machine may hold them);
+    # tidegate_tools.procs gives the workers and schedulers it starts free ones.
+    "TIDEGATE_WORKER_METRICS_PORT": "0",
+    "TIDEGATE_SCHEDULER_METRICS_PORT": "0",
     # The tests' webhook receivers listen on 127.0.0.1 (tests/stack/test_webhooks.py).
     "TIDEGATE_WEBHOOK_ALLOW_PRIVATE": "true",
 })

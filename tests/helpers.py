@@ -96,6 +96,15 @@ def metric(text: str, name: str, **labels: str) -> float:
                if s.name == name and labels.items() <= s.labels.items())
 
 
+def worker_scrape(stack: Stack, lane: str) -> str:
+    """The /metrics text of the stack's worker for `lane` (it serves its own, on the port
+    tidegate_tools.procs.start_worker gave it)."""
+    name = f"worker:{stack.workers[lane]}"
+    proc = next(p for p in stack.procs if p.name == name)
+    assert proc.metrics_port, f"{name} serves no /metrics"
+    return httpx.get(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10).text
+
+
 @contextlib.contextmanager
 def served(app: Any) -> Iterator[str]:
     """`app` (api.app.create_app's) served by uvicorn on a free port, in a thread of the

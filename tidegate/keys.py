@@ -10,13 +10,14 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:job:{id}:lease``        | string  | worker          | ``lease_ttl_s``, renewed each beat|
 | ``{ns}:job:{id}:cancel``       | string  | API             | ``stream_ttl_s``                  |
 | ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
-| ``{ns}:finished``              | stream  | worker          | ``FINISHED_MAXLEN`` entries       |
 | ``{ns}:worker:{name}``         | string  | worker          | heartbeat, ``heartbeat_ttl_s``    |
 | ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | ``RATE_WINDOW_TTL_S``             |
 | ``{ns}:desired``               | hash    | scheduler       | worker -> desired state and queue |
 | ``{ns}:lock:{name}:{period}``  | string  | scheduler,      | two periods (one beat acts; one   |
 |                                |         | worker          | worker sweeps for orphans)        |
 | ``{ns}:actions``               | stream  | scheduler       | ``ACTIONS_MAXLEN`` entries        |
+| ``{ns}:beat:*``                | several | scheduler       | celery-redbeat's schedule and its |
+|                                |         |                 | lock (one beat across replicas)   |
 | ``{ns}:health:{worker}``       | hash    | scheduler       | ``HEALTH_STRIKES_TTL_S``          |
 | ``{ns}:arrivals:{lane}:{min}`` | counter | API             | ``ARRIVALS_TTL_S``, or until the  |
 |                                |         |                 | scheduler moves it to the store   |
@@ -44,7 +45,6 @@ Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so 
 
 from __future__ import annotations
 
-FINISHED_MAXLEN = 100_000  # summaries of finished jobs kept for the API's metrics
 HEARTBEAT_PERIODS = 5  # a heartbeat lives this many periods: a dead worker is gone after it
 RATE_WINDOW_TTL_S = 120  # a one-minute rate window, kept past its minute for late readers
 ARRIVALS_TTL_S = 7200  # arrival counters the scheduler did not move (it was down) expire
@@ -126,10 +126,6 @@ def cancel_channel(ns: str) -> str:
     return f"{ns}:cancel"
 
 
-def finished_stream(ns: str) -> str:
-    return f"{ns}:finished"
-
-
 def worker_heartbeat(ns: str, name: str) -> str:
     return f"{ns}:worker:{name}"
 
@@ -152,6 +148,17 @@ def scheduler_lock(ns: str, name: str, period: int) -> str:
 
 def scheduler_actions(ns: str) -> str:
     return f"{ns}:actions"
+
+
+def beat_prefix(ns: str) -> str:
+    """celery-redbeat's key prefix: it writes ``{prefix}:schedule``, ``{prefix}:statics``,
+    ``{prefix}:lock`` and one hash per entry, ``{prefix}{entry name}``."""
+    return f"{ns}:beat:"
+
+
+def beat_lock(ns: str) -> str:
+    """The lock the one beat sending the schedule holds (redbeat's `lock_key`)."""
+    return f"{beat_prefix(ns)}:lock"
 
 
 def health_strikes(ns: str, worker: str) -> str:

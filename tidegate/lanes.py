@@ -94,6 +94,10 @@ class Lane(BaseModel):
     # An OpenAI-compatible request whose client goes away before the end cancels its job;
     # true: the job runs on (its row and GET /v1/jobs/{id} keep the answer).
     keep_on_disconnect: bool = False
+    # CUDA graphs on a GPU: decode steps replayed as captured graphs, much faster for small
+    # batches, for some GPU memory and a longer engine start. False runs the engine eager
+    # (to debug, or to give that memory to the KV cache). CPU engines always run eager.
+    cuda_graphs: bool = True
 
     def cache_salt(self, tenant_id: int) -> str | None:
         """The prefix-cache salt of a tenant's requests on this lane (None: shared)."""

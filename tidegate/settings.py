@@ -177,6 +177,11 @@ class Settings(BaseSettings):
     def model_path(self) -> Path:
         return Path(self.model) if self.model else self.data_dir / "models" / "tidegate-test"
 
+    @property
+    def tokenizer_path(self) -> Path:
+        """Where the API reads its tokenizer: TIDEGATE_TOKENIZER, else the model's folder."""
+        return Path(self.tokenizer) if self.tokenizer else self.model_path
+
     @functools.cached_property
     def lanes(self) -> dict[str, Lane]:
         return load_lanes(self.lanes_file)

@@ -127,7 +127,8 @@ def _worker(args: argparse.Namespace) -> None:
     from workers.service import run_worker
 
     run_worker(celery_app(), args.lane, args.gpu, args.name, args.loglevel, pool=args.pool,
-               engine=args.engine, standby=args.standby, cpus=args.cpus)
+               engine=args.engine, standby=args.standby, cpus=args.cpus,
+               metrics_port=args.metrics_port)
 
 
 def _api(args: argparse.Namespace) -> None:
@@ -136,8 +137,28 @@ def _api(args: argparse.Namespace) -> None:
     from api.app import create_app
 
     settings = get_settings()
+    _api_logging(settings)
+    # log_config=None: uvicorn's loggers stay as _api_logging left them (one format).
     uvicorn.run(create_app(settings), host=args.host or settings.api_host,
-                port=args.port or settings.api_port, log_level="info")
+                port=args.port or settings.api_port, log_config=None,
+                log_level=settings.log_level.lower())
+
+
+# The job a request's path names (/v1/jobs/<id>, or a completion's chatcmpl-<id>).
+JOB_PATH = r"^/v1/jobs/(?:chatcmpl-|cmpl-)?([0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})"
+
+
+def _api_logging(settings: Any) -> None:
+    """The API's lines, uvicorn's own among them, in the one log format; its access lines
+    carry paths without their query strings, and the job a path names."""
+    import logging
+    import re
+
+    from tidegate.logs import AccessPaths, setup_logging
+
+    setup_logging(settings, "api", loggers=dict.fromkeys(
+        ("uvicorn", "uvicorn.error", "uvicorn.access"), settings.log_level.upper()))
+    logging.getLogger("uvicorn.access").addFilter(AccessPaths(re.compile(JOB_PATH)))
 
 
 # The password tidegate shipped as Flower's default until it had none: still in configs
@@ -148,7 +169,8 @@ OLD_DEFAULT_FLOWER_PASSWORD = "tidegate"
 def _flower(args: argparse.Namespace) -> None:
     import os
 
-    from tasks.app import celery_app
+    from tasks.app import celery_app, run_celery
+    from tidegate.logs import setup_logging
 
     s = get_settings()
     problem = flower_auth_problem(s.flower_user, s.flower_password)
@@ -157,8 +179,9 @@ def _flower(args: argparse.Namespace) -> None:
     # Through Flower's environment, not its argv: a command line is visible to every
     # local user (`ps`).
     os.environ["FLOWER_BASIC_AUTH"] = f"{s.flower_user}:{s.flower_password}"
-    celery_app().start(["flower", f"--port={args.port or s.flower_port}",
-                        "--address=127.0.0.1"])
+    setup_logging(s, "flower")  # tornado adds no handler of its own to a configured root
+    run_celery(celery_app(), ["flower", f"--port={args.port or s.flower_port}",
+                              f"--address={args.host or s.flower_host}"])
 
 
 def flower_auth_problem(user: str, password: str) -> str | None:
@@ -270,6 +293,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm", "sim"],
                    help="sim: no model, a GPU's timings (TIDEGATE_SIM_PROFILE)")
     w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help="serve this worker's /metrics here (default "
+                   "TIDEGATE_WORKER_METRICS_PORT; 0: off)")
     w.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--standby", action="store_true",
                    help="load and warm the engine, but take no lane job until activated")
@@ -279,6 +305,7 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--port", type=int, default=None)
     a.set_defaults(func=_api)
     f = sub.add_parser("flower", help="run Flower with the app, behind basic auth")
+    f.add_argument("--host", default=None, help="bind address (default TIDEGATE_FLOWER_HOST)")
     f.add_argument("--port", type=int, default=None)
     f.set_defaults(func=_flower)
     sub.add_parser("status", help="show the fleet").set_defaults(func=_status)

@@ -32,6 +32,8 @@ class Proc:
 
     def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.name, self.log_path = name, log_path
+        # Where it serves /metrics (a worker's, the scheduler's), when it was given one.
+        self.metrics_port: int | None = None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         # Appended: a process restarted under the same name keeps its predecessor's log.
         self._log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -155,7 +157,10 @@ def start_api(env: dict[str, str], port: int, log_dir: Path) -> Proc:
 def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path,
                  pool: str | None = None, standby: bool = False,
                  cpus: str | None = None, engine: str | None = None) -> Proc:
-    argv = tidegate_argv("worker", "--lane", lane, "--name", name)
+    """A worker serving /metrics on a free port of its own (`proc.metrics_port`): two
+    workers on one machine must not both take the default one."""
+    port = free_port()
+    argv = tidegate_argv("worker", "--lane", lane, "--name", name, "--metrics-port", str(port))
     if engine:
         argv += ["--engine", engine]
     if cpus:
@@ -164,4 +169,15 @@ def start_worker(env: dict[str, str], lane: str, name: str, log_dir: Path,
         argv += ["--pool", pool]
     if standby:
         argv.append("--standby")
-    return Proc(f"worker:{name}", argv, log_dir / f"worker-{name.split('@')[0]}.log", env)
+    proc = Proc(f"worker:{name}", argv, log_dir / f"worker-{name.split('@')[0]}.log", env)
+    proc.metrics_port = port
+    return proc
+
+
+def start_scheduler(env: dict[str, str], log_dir: Path, name: str = "scheduler") -> Proc:
+    """`tidegate scheduler` serving /metrics on a free port (`proc.metrics_port`)."""
+    port = free_port()
+    proc = Proc(name, tidegate_argv("scheduler"), log_dir / f"{name}.log",
+                {**env, "TIDEGATE_SCHEDULER_METRICS_PORT": str(port)})
+    proc.metrics_port = port
+    return proc

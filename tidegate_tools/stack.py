@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 
+from api.fleet import active_workers
 from tidegate_tools.procs import Proc, free_port, start_api, start_redis, start_worker, wait_until
 
 START_TIMEOUT_S = 240.0  # vLLM engines loading at once on two cores
@@ -36,19 +37,18 @@ class RunningStack:
 
 
 def api_ready(base_url: str, workers: Collection[str]) -> bool:
-    """The API answers /readyz with 200 and every one of `workers` heartbeats `active`; with
-    no worker to wait for, /healthz answers 200."""
-    if not workers:
-        try:
-            return httpx.get(f"{base_url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    """The API answers /readyz with 200 and /fleetz shows every one of `workers` active;
+    with no worker to wait for, /readyz alone. /fleetz itself may be 503: a stack serves
+    some lanes, not every lane of its lanes file."""
     try:
-        resp = httpx.get(f"{base_url}/readyz", timeout=2)
-        active = resp.json().get("checks", {}).get("workers", {}).get("active", [])
-    except (httpx.HTTPError, ValueError):
+        if httpx.get(f"{base_url}/readyz", timeout=2).status_code != 200:
+            return False
+        if not workers:
+            return True
+        report = httpx.get(f"{base_url}/fleetz", timeout=2).json()
+        return set(workers) <= active_workers(report)
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
         return False
-    return resp.status_code == 200 and set(workers) <= set(active)
 
 
 @contextmanager
@@ -94,5 +94,5 @@ def _wait_ready(stack: RunningStack, timeout_s: float,
             waiting(waited)
         return api_ready(stack.base_url, stack.workers)
 
-    wait_until(ready, timeout_s, f"the API's /readyz with workers {sorted(stack.workers)} "
-               "active", stack.procs, poll_s=0.5)
+    wait_until(ready, timeout_s, f"the API's /readyz, and /fleetz with workers "
+               f"{sorted(stack.workers)} active", stack.procs, poll_s=0.5)

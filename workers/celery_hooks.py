@@ -14,13 +14,16 @@ from typing import Any
 import click
 from celery import Celery, bootsteps
 from celery.exceptions import Reject
-from celery.signals import worker_ready, worker_shutting_down
+from celery.signals import task_postrun, task_prerun, worker_ready, worker_shutting_down
 from celery.worker.control import control_command, inspect_command
 from celery.worker.request import Request
+from opentelemetry.trace import SpanKind
 
 from tasks.payloads import GENERATE
+from tidegate import logs, tracing
 from tidegate.records import RESTART_EXIT
 from tidegate.settings import get_settings
+from workers import metrics as worker_metrics
 from workers.engine import Engine, EngineConfig
 from workers.runner import REQUEUED
 from workers.worker import Phase, Worker, current, set_current
@@ -28,7 +31,7 @@ from workers.worker import Phase, Worker, current, set_current
 log = logging.getLogger("tidegate.worker")
 
 ENGINES = ("vllm", "trtllm", "sim")  # sim: no model, GPU timings (workers/sim_engine.py)
-OPTIONS = ("lane", "pool", "engine")  # `--tidegate-<option>`, handed to EngineStep
+OPTIONS = ("lane", "pool", "engine", "metrics-port")  # `--tidegate-<option>`, to EngineStep
 
 
 def register(app: Celery) -> None:
@@ -50,7 +53,14 @@ class TextFreeRequest(Request):
 
 
 def generate(task: Any, body: dict[str, Any]) -> str:
-    outcome = current().run(body)
+    me = current()
+    # One span per attempt, under the submit's trace (the payload's trace context).
+    attrs = {"job_id": str(body.get("job_id")), "lane": str(body.get("lane")),
+             "worker": me.name}
+    with tracing.span("tidegate.job", attrs, parent=body.get("trace_context"),
+                      kind=SpanKind.CONSUMER) as span:
+        outcome = me.run(body)
+        span.set_attribute("tidegate.outcome", outcome)
     if outcome == REQUEUED:
         # The job could not be ended (store or Redis down past the retries): rejected with
         # requeue, kombu puts the message back on its queue; acked, the job would be lost.
@@ -70,6 +80,7 @@ def make_engine(lane: str, kind: str) -> Engine:
         kv_policy=settings.kv_policy, kv_params=profile.kv_policy,
         kv_cache_blocks=settings.kv_cache_blocks or None,
         kv_block_size=settings.kv_block_size or None,
+        cuda_graphs=profile.cuda_graphs,
     )
     if kind == "trtllm":
         from workers.trtllm_engine import TrtllmEngine
@@ -90,15 +101,24 @@ class EngineStep(bootsteps.StartStopStep):
     requires = {"celery.worker.components:Pool"}
 
     def __init__(self, worker: Any, tidegate_lane: str = "chat", tidegate_pool: str = "",
-                 tidegate_engine: str = "vllm", **kwargs: Any) -> None:
+                 tidegate_engine: str = "vllm", tidegate_metrics_port: str = "",
+                 **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
         self.lane, self.engine = tidegate_lane, tidegate_engine
         self.pool = tidegate_pool or tidegate_engine
+        self.metrics_port = int(tidegate_metrics_port or 0)  # 0: no /metrics
 
     def start(self, worker: Any) -> None:
         me = Worker(get_settings(), worker.hostname, self.lane, self.pool, worker)
         set_current(me)
         me.load(make_engine(self.lane, self.engine))
+        # After the engine's load, so its engine-core process starts without the exporter.
+        tracing.setup_tracing(get_settings(), "tidegate-worker")
+        if self.metrics_port:  # after the load too: the engine core inherits no socket
+            try:
+                worker_metrics.serve(get_settings().metrics_host, self.metrics_port, lambda: me)
+            except SystemExit as exc:  # taken since the check at start: stop the worker
+                raise RuntimeError(str(exc)) from None
 
     def stop(self, worker: Any) -> None:
         current().stop()
@@ -112,6 +132,28 @@ def _ready(**_: Any) -> None:
 @worker_shutting_down.connect
 def _draining(**_: Any) -> None:
     current().phase = Phase.DRAINING
+
+
+# (task id, thread) -> its log context's token (tidegate/logs.py); a redelivered job can
+# run in two threads at once.
+_job_logs: dict[tuple[str, int], Any] = {}
+
+
+@task_prerun.connect
+def _job_logs_open(task_id: str, task: Any, args: Any = (), **_: Any) -> None:
+    """Every line logged while a job's task runs carries its job id and lane, Celery's
+    own "succeeded" line among them (both signals come in the task's thread)."""
+    if task.name == GENERATE:
+        body = args[0] if args and isinstance(args[0], dict) else {}
+        _job_logs[task_id, threading.get_ident()] = logs.open_context(
+            job_id=task_id, lane=body.get("lane"))
+
+
+@task_postrun.connect
+def _job_logs_close(task_id: str, **_: Any) -> None:
+    token = _job_logs.pop((task_id, threading.get_ident()), None)
+    if token is not None:
+        logs.close_context(token)
 
 
 # -- control commands (app.control.broadcast(name, destination=[worker])) -------------

@@ -25,6 +25,7 @@ class EngineConfig:
     kv_params: KvPolicy = KvPolicy()  # the lane's session-priority parameters
     kv_cache_blocks: int | None = None  # fixed KV cache size in blocks; None: from memory
     kv_block_size: int | None = None  # tokens per KV block; None: the engine's default
+    cuda_graphs: bool = True  # the lane's: capture CUDA graphs on a GPU (never on a CPU)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ gets exactly what it missed: no gap, no repeat.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -97,11 +96,6 @@ class EventPublisher:
         if answer == 0:
             raise LeaseLost(event.job_id)
         return int(answer)
-
-    def finished(self, summary: dict[str, object]) -> None:
-        """A finished job's timings, read by the API for its Prometheus histograms."""
-        self.r.xadd(keys.finished_stream(self.ns), {"s": json.dumps(summary)},
-                    maxlen=keys.FINISHED_MAXLEN, approximate=True)
 
     def state(self, job_id: str) -> StreamState:
         entries: Any = self.r.xrange(keys.job_events(self.ns, job_id))

@@ -29,13 +29,14 @@ import redis
 
 from store import Store
 from tasks.payloads import GeneratePayload
-from tidegate import keys
+from tidegate import keys, logs, tracing
 from tidegate.events import Event
 from tidegate.records import JobStatus
 from workers.engine import Delta, EngineDead, EngineError, EngineRequest
 from workers.faults import TokenHold
 from workers.host import Cancelled, DeadlineExceeded, EngineHost
 from workers.lease import Lease, LeaseLost
+from workers.metrics import JobMetrics
 from workers.publisher import EventPublisher, StreamState
 from workers.retry import TRANSIENT, Retrier
 
@@ -57,6 +58,7 @@ class WorkerContext:
     retry: Retrier  # every store and Redis call of a job goes through it
     lanes: list[str] = field(default_factory=list)
     hold: TokenHold | None = None  # fault injection (workers/faults.py): unarmed in production
+    metrics: JobMetrics | None = None  # Prometheus (workers/metrics.py); None: not counted
     mean_job_ms: float | None = None  # moving average of a job's run time, for the router
     leases: set[Lease] = field(default_factory=set)  # held now; the heartbeat renews them
     _leases_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -180,14 +182,20 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease) -> s
         log.info("job %s is already finished or unknown; skipping", payload.job_id)
         _complete_stream(ctx, payload, lease)
         return "skipped-terminal"
+    logs.bind(attempt=job.attempts)  # the rest of this task's lines carry it
     state = ctx.retry(ctx.publisher.state, payload.job_id)
     if state.terminal:
         return "skipped-terminal"
     progress = _Progress.of(lease, state)
     progress.started_at = job.started_at
+    tracing.annotate(attempt=job.attempts)
+    if ctx.metrics is not None:
+        ctx.metrics.taken(payload.lane, job.attempts)
     if job.attempts > ctx.max_attempts:
         _fail(ctx, payload.job_id, "poison", f"the job was taken up {job.attempts} times; "
               "each attempt died with its worker", progress)
+        if ctx.metrics is not None:  # decided here, in the worker that took it last
+            ctx.metrics.poisoned(payload.lane)
         return "poison"
     if payload.session_id:  # this worker's KV cache now holds the session's prefix
         ctx.retry(ctx.store.set_session_worker, payload.session_id, ctx.name)
@@ -229,14 +237,19 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
     if remaining <= 0 or (timeout_s is not None and timeout_s <= 0):
         return _end_early(ctx, payload, progress, remaining)
     request = _engine_request(payload, remaining, state)
+    if ctx.metrics is not None:
+        ctx.metrics.prefilled(payload.lane, payload.prompt_tokens)
     started = time.monotonic()
     finish_reason = "length"
     watch = _CancelWatch(ctx, payload.job_id)
     try:
-        for delta in ctx.host.run(request, timeout_s=timeout_s):
-            _on_delta(ctx, payload.job_id, progress, delta)
-            finish_reason = delta.finish_reason or finish_reason
-            watch.check()
+        with tracing.span("engine.generate", {"engine": ctx.host.engine.kind,
+                                              "resumed_tokens": len(state.token_ids)}) as span:
+            for delta in ctx.host.run(request, timeout_s=timeout_s):
+                _on_delta(ctx, payload.job_id, progress, delta)
+                finish_reason = delta.finish_reason or finish_reason
+                watch.check()
+            span.set_attribute("tidegate.completion_tokens", progress.emitted_here)
     except Cancelled:
         return _end_cancelled(ctx, payload, progress)
     except DeadlineExceeded:
@@ -332,7 +345,7 @@ def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
         return _end_cancelled(ctx, payload, progress)
     _emit(ctx, payload.job_id, progress, "done",
           data=_done_data(payload, job, finish_reason, progress))
-    _summarise(ctx, payload, JobStatus.DONE, job)
+    _count_end(ctx, JobStatus.DONE, job, progress)
     return "done"
 
 
@@ -350,26 +363,30 @@ def _done_data(payload: GeneratePayload, job: Any, finish_reason: str,
 
 
 def _end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress) -> str:
-    _finish(ctx, payload.job_id, progress, JobStatus.CANCELLED, finish_reason="cancelled")
+    _, job = _finish(ctx, payload.job_id, progress, JobStatus.CANCELLED,
+                     finish_reason="cancelled")
     _emit(ctx, payload.job_id, progress, "done", data={
         "finish_reason": "cancelled",
         "usage": {"prompt_tokens": payload.prompt_tokens,
                   "completion_tokens": len(progress.token_ids)}})
+    _count_end(ctx, JobStatus.CANCELLED, job, progress)
     return "cancelled"
 
 
 def _end_expired(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress) -> str:
-    _finish(ctx, payload.job_id, progress, JobStatus.EXPIRED, finish_reason="deadline",
-            error="the job's deadline passed")
+    _, job = _finish(ctx, payload.job_id, progress, JobStatus.EXPIRED, finish_reason="deadline",
+                     error="the job's deadline passed")
     _emit(ctx, payload.job_id, progress, "error",
           data={"code": "deadline_exceeded", "message": "the job's deadline passed"})
+    _count_end(ctx, JobStatus.EXPIRED, job, progress)
     return "expired"
 
 
 def _fail(ctx: WorkerContext, job_id: str, code: str, message: str,
           progress: _Progress) -> None:
-    _finish(ctx, job_id, progress, JobStatus.ERROR, error=message)
+    _, job = _finish(ctx, job_id, progress, JobStatus.ERROR, error=message)
     _emit(ctx, job_id, progress, "error", data={"code": code, "message": message})
+    _count_end(ctx, JobStatus.ERROR, job, progress)
 
 
 def _finish(ctx: WorkerContext, job_id: str, progress: _Progress, status: JobStatus,
@@ -385,19 +402,10 @@ def _finish(ctx: WorkerContext, job_id: str, progress: _Progress, status: JobSta
                      **values)
 
 
-def _summarise(ctx: WorkerContext, payload: GeneratePayload, status: str, job: Any) -> None:
-    if job is None:
+def _count_end(ctx: WorkerContext, status: JobStatus, job: Any, progress: _Progress) -> None:
+    """The attempt's end in this worker's metrics, its terminal event out: the job's
+    status and timings (from its row), and the tokens this attempt generated."""
+    if ctx.metrics is None or job is None:
         return
-    e2e_ms = None
-    if job.finished_at and job.enqueued_at:
-        e2e_ms = (job.finished_at - job.enqueued_at).total_seconds() * 1000
-    summary = {
-        "job_id": payload.job_id, "lane": payload.lane, "status": status,
-        "engine": ctx.host.engine.kind, "queue_wait_ms": job.queue_wait_ms,
-        "ttft_ms": job.ttft_ms, "tpot_ms": job.tpot_ms, "e2e_ms": e2e_ms,
-        "completion_tokens": job.completion_tokens,
-    }
-    try:
-        ctx.retry(ctx.publisher.finished, summary)
-    except TRANSIENT:  # the job has ended; only the API's histograms miss this one
-        log.warning("job %s: its timings could not be published", payload.job_id)
+    ctx.metrics.generated(job.lane, progress.emitted_here)
+    ctx.metrics.ended(job.lane, status.value, job)

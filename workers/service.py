@@ -6,17 +6,23 @@ thread per engine slot) and the hooks of workers/celery_hooks.py.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 from celery import Celery
 
-from tidegate import keys
+from tasks.app import run_celery
+from tasks.payloads import GENERATE
+from tidegate import keys, logs
 from tidegate.lanes import pool_queue
-from tidegate.settings import get_settings
+from tidegate.settings import Settings, get_settings
 from workers import celery_hooks
+from workers import metrics as worker_metrics
 
 log = logging.getLogger("tidegate.worker")
 
@@ -58,9 +64,30 @@ def _session_nice(nice: int) -> None:
         log.warning("could not set this session's niceness to %d: %s", nice, exc)
 
 
+def engine_logs_like_ours(settings: Settings) -> None:
+    """vLLM configures its own `vllm` logger, in this process and in each process it
+    starts (its engine core), from the dictConfig file VLLM_LOGGING_CONFIG_PATH names:
+    this process's format, written to a file named after its content. Progress bars
+    (tqdm, the Hugging Face hub's) and PyTorch's C++ warnings are no log lines: off."""
+    config = logs.dict_config(settings, "worker", job_tasks=[GENERATE],
+                              loggers={"vllm": settings.log_level.upper()})
+    text = json.dumps(config, sort_keys=True)
+    path = Path(tempfile.gettempdir()) / \
+        f"tidegate-vllm-logging-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(text)
+        partial.replace(path)  # whole, for an engine core reading it at once
+    os.environ.update({"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(path),
+                       "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                       # PyTorch's C++ warnings print straight to stderr, past logging.
+                       "TORCH_CPP_LOG_LEVEL": "ERROR"})
+
+
 def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
                loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm",
-               standby: bool = False, cpus: str | None = None) -> None:
+               standby: bool = False, cpus: str | None = None,
+               metrics_port: int | None = None) -> None:
     settings = get_settings()
     if lane not in settings.lanes:
         raise SystemExit(f"tidegate worker: unknown lane {lane!r}; lanes: {sorted(settings.lanes)}")
@@ -78,14 +105,21 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
         # itself, every engine on a machine binds to the same first core.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     name = name or f"{lane}-{gpu or 'cpu'}-{os.getpid()}@{socket.gethostname()}"
+    port = settings.worker_metrics_port if metrics_port is None else metrics_port
+    if port:  # a taken port stops the worker now, not after minutes of engine loading
+        worker_metrics.check_port(settings.metrics_host, port)
+    logs.set_process_fields(worker=name)
+    logs.setup_logging(settings, "worker", job_tasks=[GENERATE])
+    engine_logs_like_ours(settings)
     lower_cpu_priority(settings.lanes[lane].cpu_nice)
     celery_hooks.register(celery_app)
     queues = [keys.direct_queue(settings.namespace, name)]
     if not standby:  # a standby worker: engine loaded and warmed, its direct queue only
         queues.insert(0, pool_queue(settings.lanes[lane], pool))
-    celery_app.worker_main([
+    run_celery(celery_app, [
         "worker", "-P", "threads", "-c", str(settings.engine_slots),
         "--prefetch-multiplier", "1", "-Q", ",".join(queues), "-n", name,
         "--loglevel", loglevel, "--without-gossip", "--without-mingle",
         f"--tidegate-lane={lane}", f"--tidegate-pool={pool}", f"--tidegate-engine={engine}",
+        f"--tidegate-metrics-port={port}",
     ])

@@ -50,6 +50,13 @@ def effective_kv_cache_dtype(configured: str, on_cpu: bool) -> str:
     return configured
 
 
+def enforce_eager(cuda_graphs: bool, on_cpu: bool) -> bool:
+    """vLLM's `enforce_eager`: eager where the lane turns CUDA graphs off, and always on a
+    CPU, which has no CUDA graphs (not eager, vLLM's CPU build compiles the model with
+    torch's inductor: a long engine start on a small machine)."""
+    return on_cpu or not cuda_graphs
+
+
 class _StatsRecorder:
     """A vLLM stat logger: vLLM calls `record` after every engine step with its own
     scheduler counters, which is what `stats()` reports."""
@@ -132,7 +139,8 @@ class VllmEngine:
             num_gpu_blocks_override=cfg.kv_cache_blocks,
             block_size=cfg.kv_block_size,
             disable_log_stats=False,
-            enforce_eager=True,
+            enforce_eager=enforce_eager(cfg.cuda_graphs, current_platform.is_cpu()),
+            use_tqdm_on_load=False,  # a progress bar is no log line (tidegate/logs.py)
             **self._lora_args(),
             **_platform_args(cfg),
         )

@@ -41,6 +41,7 @@ from tidegate.settings import Settings
 from workers.engine import Engine, EngineDead
 from workers.faults import StoreFault, TokenHold
 from workers.host import EngineHost
+from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
 from workers.retry import Retrier
 from workers.runner import ENGINE_DEAD, WorkerContext, run_job
@@ -103,7 +104,8 @@ class Worker:
                                  redis=self.redis, publisher=publisher, host=host,
                                  lease_ttl_s=keys.lease_ttl_s(s.heartbeat_s),
                                  max_attempts=s.max_attempts, retry=Retrier(s.io_retry_s),
-                                 lanes=list(hosted_lanes(s.lanes, self.lane)), hold=self.hold)
+                                 lanes=list(hosted_lanes(s.lanes, self.lane)), hold=self.hold,
+                                 metrics=process_metrics().bind(self.name, self.pool))
         CancelListener(self.redis, s.namespace, host).start()
 
     @property
@@ -332,7 +334,8 @@ class Heartbeats(threading.Thread):
         worker (workers/lease.py, tasks/recovery.py)."""
         w = self.worker
         grace_s = keys.lease_ttl_s(w.settings.heartbeat_s)
-        restore_orphans(w.celery_worker.app, self.leased, grace_s)
+        restored = restore_orphans(w.celery_worker.app, self.leased, grace_s)
+        process_metrics().recovered(len(restored))
 
     def leased(self, job_ids: list[str]) -> set[str]:
         """The jobs that an attempt holds now (their lease exists), in one round trip."""
@@ -358,7 +361,8 @@ class CancelListener(threading.Thread):
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
                         job_id = message["data"].decode()
-                        log.info("cancel of job %s received", job_id)
+                        log.info("cancel of job %s received", job_id,
+                                 extra={"job_id": job_id})
                         self.host.cancel(job_id)
             except redis.RedisError as exc:
                 log.warning("cancel listener lost Redis (%s); resubscribing", exc)

@@ -14,6 +14,7 @@ import redis
 from store import Store
 from tests.conftest import REDIS_PORT
 from tests.helpers import Stack, make_tenant
+from tests.otlp import OtlpReceiver, otlp_receiver
 from tidegate_tools.procs import Proc, start_redis
 from tidegate_tools.stack import WorkerSpec, running_stack
 
@@ -45,12 +46,23 @@ def migrated_db() -> str:
 
 
 @pytest.fixture(scope="session")
-def stack(redis_server: str, migrated_db: str, model_path: Path, tmp_root: Path) -> Iterator[Stack]:
+def traces() -> Iterator[OtlpReceiver]:
+    """Where the session stack's processes send their spans (tests/stack/test_traces.py);
+    stopped after the stack's processes, which flush to it on the way out."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server: str, migrated_db: str, model_path: Path, tmp_root: Path,
+          traces: OtlpReceiver) -> Iterator[Stack]:
     workers = {lane: f"{lane}-test@tidegate" for lane in ("finance", "chat")}
     store = Store(migrated_db)
     tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat", "support"])
     specs = [WorkerSpec(lane, name, cpus=str(core % 2))
              for core, (lane, name) in enumerate(workers.items())]
-    with running_stack(os.environ, specs, tmp_root / "logs") as running:
+    # Traced, spans exported every 200 ms: the stack's tests run with tracing on.
+    env = {**os.environ, "TIDEGATE_OTLP_ENDPOINT": traces.url, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    with running_stack(env, specs, tmp_root / "logs") as running:
         yield Stack(running.base_url, key, tenant_id, redis.Redis.from_url(redis_server), store,
                     os.environ["TIDEGATE_NAMESPACE"], workers, running.procs)

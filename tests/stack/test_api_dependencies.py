@@ -1,7 +1,8 @@
 """The API when a dependency is down, in-process (FastAPI's TestClient) on a Redis DB and a
 database of its own. Each case points one dependency of the settings at nothing: `/readyz`
 answers 503 naming it while `/healthz` stays 200; a submit the broker cannot take answers
-503 and leaves no job row."""
+503 and leaves no job row. Workers are no dependency of the API: `/readyz` is 200 with none,
+and `/fleetz` reports them."""
 
 from __future__ import annotations
 
@@ -36,13 +37,13 @@ def settings(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Se
     redis.Redis.from_url(up.redis_url).flushdb()
 
 
-def advertise(settings: Settings, state: str) -> None:
-    """The heartbeat a chat worker in `state` would write (no worker runs here)."""
-    body = {"name": WORKER, "state": state, "lanes": ["chat"], "pool": "vllm",
+def advertise(settings: Settings, state: str, name: str = WORKER, lane: str = "chat") -> None:
+    """The heartbeat a worker of `lane` in `state` would write (no worker runs here)."""
+    body = {"name": name, "state": state, "lanes": [lane], "pool": "vllm",
             "engine": "vllm", "slots": 4, "kv_cache_dtype": "fp8", "dtype": "float16",
             "stats": {}}
     redis.Redis.from_url(settings.redis_url).set(
-        keys.worker_heartbeat(settings.namespace, WORKER), json.dumps(body))
+        keys.worker_heartbeat(settings.namespace, name), json.dumps(body))
 
 
 def dead_redis() -> str:
@@ -54,23 +55,20 @@ def dead_database() -> str:
 
 
 def down(settings: Settings, dependency: str, tmp_root: Path | None = None) -> Settings:
-    """The settings with one dependency pointed at nothing, or its only worker in standby."""
+    """The settings with one dependency pointed at nothing."""
     if dependency == "tokenizer":  # a model folder with no tokenizer in it
         assert tmp_root is not None
         (tmp_root / "no-model").mkdir(exist_ok=True)
         return settings.model_copy(update={"model": str(tmp_root / "no-model")})
     if dependency == "redis":
         return settings.model_copy(update={"redis_url": dead_redis()})
-    if dependency == "database":
-        return settings.model_copy(update={"database_url": dead_database()})
-    advertise(settings, "standby")
-    return settings
+    assert dependency == "database", dependency
+    return settings.model_copy(update={"database_url": dead_database()})
 
 
 @pytest.mark.parametrize(("dependency", "failing"), [
-    ("redis", {"redis", "workers"}),  # no Redis: no heartbeat to read either
+    ("redis", {"redis"}),
     ("database", {"database"}),
-    ("workers", {"workers"}),
     ("tokenizer", {"tokenizer"}),
 ])
 def test_readyz_is_503_naming_the_dependency_down_and_healthz_stays_up(
@@ -80,7 +78,6 @@ def test_readyz_is_503_naming_the_dependency_down_and_healthz_stays_up(
         loaded(http)
         ready = http.get("/readyz")
         assert ready.status_code == 200 and ready.json()["ready"] is True
-        assert ready.json()["checks"]["workers"]["active"] == [WORKER]
     with TestClient(create_app(down(settings, dependency, tmp_root))) as http:
         loaded(http)
         resp = http.get("/readyz")
@@ -90,6 +87,40 @@ def test_readyz_is_503_naming_the_dependency_down_and_healthz_stays_up(
         assert {name for name, check in body["checks"].items() if not check["ok"]} == failing
         health = http.get("/healthz")
         assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_readyz_needs_no_worker_and_fleetz_says_which_lane_lacks_one(
+        settings: Settings) -> None:
+    """A rolling worker restart leaves no worker active for a while: the API stays in its
+    load balancer (/readyz 200) and /fleetz names the lanes without an active worker."""
+    forget_workers(settings)
+    with TestClient(create_app(settings)) as http:
+        loaded(http)
+        ready = http.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        fleet = http.get("/fleetz")
+        assert fleet.status_code == 503 and fleet.json()["ready"] is False
+        assert fleet.json()["workers"]["active"] == 0
+        advertise(settings, "active")
+        advertise(settings, "standby", "finance-deps@test", "finance")
+        body = http.get("/fleetz").json()
+        assert body["lanes"]["chat"]["ready"] is True
+        assert body["lanes"]["chat"]["active"] == {"vllm": [WORKER]}
+        assert body["lanes"]["batch"] == {**body["lanes"]["chat"], "runs_on": "chat"}
+        assert body["lanes"]["finance"]["ready"] is False
+        assert body["lanes"]["finance"]["standby"] == {"vllm": ["finance-deps@test"]}
+        for lane in settings.lanes:
+            advertise(settings, "active", f"{lane}-deps@test", lane)
+        every = http.get("/fleetz")
+        assert every.status_code == 200 and every.json()["ready"] is True
+    forget_workers(settings)
+
+
+def forget_workers(settings: Settings) -> None:
+    """No worker heartbeats (the other cases advertise their own)."""
+    client = redis.Redis.from_url(settings.redis_url)
+    for key in client.scan_iter(match=keys.worker_heartbeat_pattern(settings.namespace)):
+        client.delete(key)
 
 
 def loaded(http: TestClient) -> None:

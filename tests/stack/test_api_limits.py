@@ -84,7 +84,8 @@ def refused(resp: httpx.Response, kind: str) -> str:
 
 
 def shed(http: httpx.Client, reason: str) -> float:
-    return metric(http.get("/metrics").text, "tidegate_requests_shed_total", reason=reason)
+    return metric(http.get("/metrics").text, "tidegate_requests_rejected_total", reason=reason,
+                  status="429")
 
 
 def test_jobs_in_flight_per_tenant_are_capped(api: Api) -> None:
@@ -147,7 +148,8 @@ def test_sse_streams_are_capped_per_tenant_and_per_process(api: Api) -> None:
             assert "this API process has 3 streams open" in refused(fourth, "too_many_streams")
         scrape = one.get("/metrics").text
         assert metric(scrape, "tidegate_sse_streams") == 3
-        assert metric(scrape, "tidegate_requests_shed_total", reason="too_many_streams") == 2
+        assert metric(scrape, "tidegate_requests_rejected_total", reason="too_many_streams",
+                      status="429") == 2
         first.close()
 
         def reopens() -> bool:

@@ -71,9 +71,11 @@ def post(http: TestClient, key: str | None, body: object = None, raw: bytes | No
                      headers={**headers, "Content-Type": "application/json"})
 
 
-def rejected(http: TestClient, field: str) -> float:
-    """`tidegate_requests_rejected_total` for the field, as /metrics shows it."""
-    return metric(http.get("/metrics").text, "tidegate_requests_rejected_total", field=field)
+def rejected(http: TestClient, reason: str, status: int) -> float:
+    """`tidegate_requests_rejected_total` for the error's type and status, as /metrics
+    shows it."""
+    return metric(http.get("/metrics").text, "tidegate_requests_rejected_total",
+                  reason=reason, status=str(status))
 
 
 LONG = "refund invoice order shipping " * 600
@@ -123,14 +125,14 @@ CASES = [
                          ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_naming_the_field(api, name, body, raw, status, field) -> None:  # type: ignore[no-untyped-def]
     http, store, client, key = api
-    counted = rejected(http, field)
+    counted = rejected(http, "invalid_request", status)
     resp = post(http, key, body, raw)
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["field"] == field and field in error["message"]
     assert error["type"] == "invalid_request"
     assert nothing_enqueued(store, client)
-    assert rejected(http, field) == counted + 1
+    assert rejected(http, "invalid_request", status) == counted + 1
 
 
 def test_prompt_longer_than_the_model_context(api) -> None:  # type: ignore[no-untyped-def]
@@ -155,7 +157,7 @@ def test_prompt_longer_than_the_model_context(api) -> None:  # type: ignore[no-u
 def test_a_header_of_the_wrong_shape_is_400_naming_it(api, header, value) -> None:  # type: ignore[no-untyped-def]
     http, store, client, key = api
     field = header.lower()
-    counted = rejected(http, field)
+    counted = rejected(http, "invalid_request", 400)
     headers = {"Authorization": f"Bearer {key}", header: value}
     resp = http.post("/v1/jobs", json=OK, headers=headers)
     assert resp.status_code == 400, resp.text
@@ -163,7 +165,7 @@ def test_a_header_of_the_wrong_shape_is_400_naming_it(api, header, value) -> Non
     assert error["field"] == field and field in error["message"]
     assert error["type"] == "invalid_request"
     assert nothing_enqueued(store, client)
-    assert rejected(http, field) == counted + 1
+    assert rejected(http, "invalid_request", 400) == counted + 1
 
 
 @pytest.mark.parametrize("header", [None, "Bearer tg_wrong", "Basic abc", "Bearer "])
@@ -229,11 +231,11 @@ def _cleanup(store: Store, client: redis.Redis, job_id: str) -> None:
 def test_no_active_worker_for_the_lane_is_503_with_retry_after(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
     _, finance_key = store.create_tenant("validation-no-worker", ["finance"])
-    counted = rejected(http, "none")
+    counted = rejected(http, "unavailable", 503)
     resp = post(http, finance_key, {**OK, "lane": "finance"})
     assert resp.status_code == 503 and "Retry-After" in resp.headers
     assert resp.json()["error"]["type"] == "unavailable"
-    assert rejected(http, "none") == counted + 1
+    assert rejected(http, "unavailable", 503) == counted + 1
     assert "no healthy worker serves lane 'finance'" in resp.json()["error"]["message"]
     assert nothing_enqueued(store, client)
 

@@ -17,7 +17,7 @@ from tidegate_client import Client
 
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats, metric
+from tests.helpers import Stack, engine_stats, metric, worker_scrape
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.settings import get_settings
@@ -216,32 +216,36 @@ def wait_idle(stack: Stack, lane: str) -> None:
 
 
 def check_metrics_count_one_job(stack: Stack, lane: str) -> None:
-    """Scrapes before and after one job: each histogram counts it once, with the row's
-    figures, and the accepted and finished counters rise by one."""
+    """Scrapes the API and the lane's worker before and after one job: each of the
+    worker's histograms counts it once, in seconds, with the row's figures; the API's
+    admitted and the worker's finished counters rise by one."""
     wait_idle(stack, lane)
     with stack.http() as http:
-        before = http.get("/metrics").text
+        before_api, before = http.get("/metrics").text, worker_scrape(stack, lane)
         job_id = submit(stack, lane, max_tokens=8)
         consume(stack, job_id)
 
-        def rise(text: str, name: str, **labels: str) -> float:
-            return metric(text, name, lane=lane, **labels) - metric(before, name, lane=lane,
+        def rise(text: str, name: str, was: str = before, **labels: str) -> float:
+            return metric(text, name, lane=lane, **labels) - metric(was, name, lane=lane,
                                                                      **labels)
 
-        wait_until(lambda: rise(http.get("/metrics").text, "tidegate_e2e_ms_count") > 0, 10,
-                   "the API to observe the finished job")
-        after = http.get("/metrics").text
+        wait_until(lambda: rise(worker_scrape(stack, lane),
+                                "tidegate_e2e_request_latency_seconds_count") > 0, 10,
+                   "the worker to count the finished job")
+        after, after_api = worker_scrape(stack, lane), http.get("/metrics").text
     job = stack.store.get_job(job_id)
-    assert job is not None and job.finished_at is not None
-    figures = {"queue_wait_ms": job.queue_wait_ms, "ttft_ms": job.ttft_ms,
-               "tpot_ms": job.tpot_ms,
-               "e2e_ms": (job.finished_at - job.enqueued_at).total_seconds() * 1000}
-    for name, value in figures.items():
-        assert value is not None, name
-        assert rise(after, f"tidegate_{name}_count") == 1, name
-        assert rise(after, f"tidegate_{name}_sum") == pytest.approx(value, abs=0.01), name
-    assert rise(after, "tidegate_jobs_total") == 1
+    assert job is not None and job.finished_at is not None and job.tpot_ms is not None
+    figures = {"request_queue_time": job.queue_wait_ms, "time_to_first_token": job.ttft_ms,
+               "inter_token_latency": job.tpot_ms,
+               "e2e_request_latency": (job.finished_at - job.enqueued_at).total_seconds() * 1000}
+    for name, ms in figures.items():
+        assert ms is not None, name
+        assert rise(after, f"tidegate_{name}_seconds_count") == 1, name
+        assert rise(after, f"tidegate_{name}_seconds_sum") == pytest.approx(ms / 1000,
+                                                                            abs=1e-5), name
+    assert rise(after_api, "tidegate_jobs_admitted_total", was=before_api) == 1
     assert rise(after, "tidegate_jobs_finished_total", status="done") == 1
+    assert rise(after, "tidegate_generation_tokens_total") == job.completion_tokens
 
 
 def test_metrics_count_one_job_with_its_rows_figures(stack: Stack) -> None:
@@ -249,32 +253,31 @@ def test_metrics_count_one_job_with_its_rows_figures(stack: Stack) -> None:
 
 
 def test_kv_gauges_follow_a_running_load(stack: Stack) -> None:
-    """While jobs run, their worker's KV cache usage shows above 0 in /metrics, and back
-    at 0 once they ended; their prompts' tokens were looked up in the prefix cache. (Chat:
-    its lane yields the CPU, so this process scrapes while the jobs run.)"""
+    """While jobs run, their worker's KV cache usage shows above 0 on its /metrics, and
+    back at 0 once they ended; their prompts' tokens were looked up in the prefix cache.
+    (Chat: its lane yields the CPU, so this process scrapes while the jobs run.)"""
     worker = stack.workers["chat"]
     wait_idle(stack, "chat")
 
     def gauge(name: str) -> float:
-        with stack.http() as http:
-            return metric(http.get("/metrics").text, name, worker=worker)
+        return metric(worker_scrape(stack, "chat"), name, worker=worker)
 
-    wait_until(lambda: gauge("tidegate_worker_kv_cache_usage") == 0, 10,
+    wait_until(lambda: gauge("tidegate_kv_cache_usage_perc") == 0, 10,
                "KV cache usage at 0 before the jobs")
-    queries = gauge("tidegate_worker_prefix_cache_queries_tokens")
+    queries = gauge("tidegate_prefix_cache_queries_total")
     with ThreadPoolExecutor(8) as pool:
         job_ids = list(pool.map(lambda _: submit(stack, "chat", max_tokens=256), range(8)))
         streams = [pool.submit(consume, stack, j) for j in job_ids]
-        wait_until(lambda: gauge("tidegate_worker_kv_cache_usage") > 0, 30,
+        wait_until(lambda: gauge("tidegate_kv_cache_usage_perc") > 0, 30,
                    "KV cache usage above 0 while the jobs run")
         assert all(f.result()[-1].kind == "done" for f in streams)
-    wait_until(lambda: gauge("tidegate_worker_kv_cache_usage") == 0, 10,
+    wait_until(lambda: gauge("tidegate_kv_cache_usage_perc") == 0, 10,
                "KV cache usage back at 0 after the jobs")
     prompt_tokens = sum(job.prompt_tokens for j in job_ids if (job := stack.store.get_job(j)))
-    assert gauge("tidegate_worker_prefix_cache_queries_tokens") >= queries + prompt_tokens
+    assert gauge("tidegate_prefix_cache_queries_total") >= queries + prompt_tokens
 
 
-def test_a_refused_request_is_counted_by_its_field(stack: Stack) -> None:
+def test_a_refused_request_is_counted_by_its_type_and_status(stack: Stack) -> None:
     with stack.http() as http:
         before = http.get("/metrics").text
         resp = http.post("/v1/jobs", json={"lane": "chat", "messages": MESSAGES,
@@ -282,16 +285,21 @@ def test_a_refused_request_is_counted_by_its_field(stack: Stack) -> None:
         assert resp.status_code == 422
         after = http.get("/metrics").text
     name = "tidegate_requests_rejected_total"
-    assert metric(after, name, field="max_tokens") == metric(before, name,
-                                                             field="max_tokens") + 1
-    assert metric(after, name) == metric(before, name) + 1  # no other field counted it
+    labels = {"reason": "invalid_request", "status": "422"}
+    assert metric(after, name, **labels) == metric(before, name, **labels) + 1
+    assert metric(after, name) == metric(before, name) + 1  # counted once, nowhere else
 
 
-def test_readyz_reports_each_dependency(stack: Stack) -> None:
+def test_readyz_reports_each_dependency_and_fleetz_the_workers(stack: Stack) -> None:
     with stack.http() as http:
         body = http.get("/readyz").json()
+        fleet = http.get("/fleetz").json()
     assert body["ready"] is True
-    assert set(stack.workers.values()) <= set(body["checks"]["workers"]["active"])
+    assert set(body["checks"]) == {"redis", "database", "tokenizer"}  # no worker in it
+    for lane, name in stack.workers.items():
+        assert fleet["lanes"][lane]["ready"] is True
+        assert fleet["lanes"][lane]["active"] == {"vllm": [name]}
+    assert fleet["workers"]["active"] >= len(stack.workers)
     heartbeat = json.loads(stack.redis.get(keys.worker_heartbeat(stack.namespace,
                                                                  stack.workers["chat"])))
     assert heartbeat["kv_cache_dtype"] == CHAT_KV and heartbeat["state"] == "active"
@@ -401,14 +409,13 @@ def test_prefix_hits_and_allocation_latency_show_in_status_metrics_and_jobs(stac
     with ThreadPoolExecutor(8) as pool:
         jobs = [pool.submit(one, n) for n in range(48)]
         wait_until(visible, 120, "the chat worker's heartbeat to show prefix hits")
-        with stack.http() as http:
-            metrics = http.get("/metrics").text
+        metrics = worker_scrape(stack, "chat")
         status = subprocess.run([sys.executable, "-m", "tidegate_tools.cli", "status"], text=True,
                                 capture_output=True, timeout=60, check=True).stdout
         job_ids = [f.result() for f in jobs]
 
-    assert (_gauge(metrics, "tidegate_worker_prefix_cache_hit_rate", worker) or 0) > 0
-    assert (_gauge(metrics, "tidegate_worker_cache_allocation_latency_ms", worker) or 0) > 0
+    assert (_gauge(metrics, "tidegate_prefix_cache_hits_total", worker) or 0) > 0
+    assert (_gauge(metrics, "tidegate_cache_allocation_latency_seconds", worker) or 0) > 0
     row = next(line for line in status.splitlines() if line.startswith(worker))
     hit_cell, alloc_cell = row.split()[11:13]
     assert hit_cell.endswith("%") and float(hit_cell[:-1]) > 0 and float(alloc_cell) > 0

@@ -32,6 +32,7 @@ import psutil
 import pytest
 from tidegate_client import Client
 
+from api.fleet import active_workers
 from tasks.app import celery_app
 from tests.helpers import Stack, engine_stats
 from tidegate import keys
@@ -230,8 +231,8 @@ def test_a_dead_engine_takes_its_worker_out_of_rotation_and_its_job_ends_elsewhe
             p.kill()
         wait_until(lambda: state(stack, SPARE) == WorkerState.FAILED, 30,
                    "the spare's heartbeat to say failed", [spare], poll_s=0.02)
-        ready = httpx.get(f"{stack.base_url}/readyz", timeout=10).json()
-        assert SPARE not in ready["checks"]["workers"]["active"]
+        fleet = httpx.get(f"{stack.base_url}/fleetz", timeout=10).json()
+        assert SPARE not in active_workers(fleet)
     # The survivor consumes the lane's queue again, where the recovery sweep put the job.
     check_done(stack, reader, [spare], attempts=2)
     row = stack.store.get_job(reader.job_id)

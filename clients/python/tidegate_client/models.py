@@ -64,6 +64,7 @@ class Job(_Answer):
     engine: str | None = None
     attempts: int = 0
     callback_url: str | None = None
+    trace_id: str | None = None  # its OpenTelemetry trace, where the API traces
 
     @property
     def terminal(self) -> bool:

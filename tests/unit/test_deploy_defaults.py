@@ -1,0 +1,88 @@
+"""Defaults that fit a deployment, the pure parts: CUDA graphs by lane, the one beat's
+settings (celery-redbeat on the deployment's Redis), and the fleet report behind /fleetz.
+The processes themselves are tests/stack/test_deploy_defaults.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from redbeat import RedBeatScheduler
+
+from api.fleet import active_workers, fleet_report
+from scheduler.beat import BEAT_LOCK_S, OneBeat, beat_config, redbeat_redis
+from tidegate.lanes import DEFAULT_LANES_FILE, LanesConfigError, load_lanes
+from tidegate.records import Heartbeat, WorkerState
+from tidegate.settings import Settings
+from workers.vllm_engine import enforce_eager
+
+
+def test_cuda_graphs_run_on_a_gpu_unless_the_lane_turns_them_off_and_never_on_a_cpu() -> None:
+    assert enforce_eager(cuda_graphs=True, on_cpu=False) is False
+    assert enforce_eager(cuda_graphs=False, on_cpu=False) is True
+    assert enforce_eager(cuda_graphs=True, on_cpu=True) is True
+    assert enforce_eager(cuda_graphs=False, on_cpu=True) is True
+
+
+def test_a_lane_has_cuda_graphs_unless_its_file_says_false(tmp_path: Path) -> None:
+    assert all(lane.cuda_graphs for lane in load_lanes(DEFAULT_LANES_FILE).values())
+    lanes = tmp_path / "lanes.toml"
+    lanes.write_text('[lanes.debug]\nqueue = "debug"\ncuda_graphs = false\n'
+                     '[lanes.chat]\nqueue = "chat"\n')
+    loaded = load_lanes(lanes)
+    assert loaded["debug"].cuda_graphs is False and loaded["chat"].cuda_graphs is True
+    lanes.write_text('[lanes.debug]\nqueue = "debug"\ncuda_graphs = "sometimes"\n')
+    with pytest.raises(LanesConfigError, match="debug.*cuda_graphs"):
+        load_lanes(lanes)
+
+
+def test_the_beat_is_redbeats_under_the_namespace_with_no_schedule_file() -> None:
+    conf = beat_config(Settings(namespace="shop", reconcile_s=2, scheduler_tick_s=10))
+    assert conf["beat_scheduler"] == "scheduler.beat.OneBeat"
+    assert conf["redbeat_redis_url"] == Settings().redis_url
+    assert conf["redbeat_key_prefix"] == "shop:beat:"
+    assert conf["redbeat_lock_key"].startswith("shop:beat:")
+    # The holder renews its lock each loop: it outlives many of them, and a failover.
+    assert conf["beat_max_loop_interval"] == 2
+    assert conf["redbeat_lock_timeout"] >= max(BEAT_LOCK_S, 5 * 2)
+    assert not any("schedule_filename" in name for name in conf)
+    assert issubclass(OneBeat, RedBeatScheduler)
+
+
+def test_a_sentinel_url_becomes_redbeats_sentinel_options() -> None:
+    assert redbeat_redis("redis://10.0.0.5:6379/2") == ("redis://10.0.0.5:6379/2", {})
+    url, options = redbeat_redis(
+        "sentinel://app:pw@s1:26379;s2/3?master=tide&sentinel_password=spw")
+    assert url.startswith("redis-sentinel")
+    assert options == {"sentinels": [("s1", 26379), ("s2", 26379)], "service_name": "tide",
+                       "db": 3, "password": "pw", "username": "app",
+                       "sentinel_kwargs": {"password": "spw"}}
+
+
+def beat(name: str, lane: str, state: WorkerState, pool: str = "vllm") -> Heartbeat:
+    return Heartbeat(name=name, state=state, lanes=(lane,), pool=pool, slots=4)
+
+
+def test_the_fleet_is_ready_when_every_lane_that_needs_a_worker_has_an_active_one(
+        tmp_path: Path) -> None:
+    lanes_file = tmp_path / "lanes.toml"
+    lanes_file.write_text('[lanes.chat]\nqueue = "chat"\n'
+                          '[lanes.batch]\nqueue = "chat"\nruns_on = "chat"\n'
+                          '[lanes.finance]\nqueue = "finance"\n'
+                          '[lanes.night]\nqueue = "night"\nmin_workers = 0\n')
+    lanes = load_lanes(lanes_file)
+    fleet = [beat("c1", "chat", WorkerState.ACTIVE), beat("c2", "chat", WorkerState.DRAINING),
+             beat("f1", "finance", WorkerState.STANDBY, pool="trtllm")]
+    report = fleet_report(fleet, lanes)
+    assert report["ready"] is False
+    assert report["lanes"]["chat"]["active"] == {"vllm": ["c1"]}
+    assert report["lanes"]["chat"]["draining"] == {"vllm": ["c2"]}
+    assert report["lanes"]["batch"]["runs_on"] == "chat" and report["lanes"]["batch"]["ready"]
+    assert report["lanes"]["finance"]["ready"] is False
+    assert report["lanes"]["finance"]["standby"] == {"trtllm": ["f1"]}
+    assert report["lanes"]["night"]["ready"] is True  # needs no worker
+    assert report["workers"]["active"] == 1 and report["workers"]["standby"] == 1
+    assert active_workers(report) == {"c1"}
+    ready = fleet_report([*fleet, beat("f2", "finance", WorkerState.ACTIVE, pool="trtllm")],
+                         lanes)
+    assert ready["ready"] is True and active_workers(ready) == {"c1", "f2"}

@@ -1,0 +1,213 @@
+"""One log format for every tidegate process (API, workers, scheduler, webhooks, Flower).
+
+`setup_logging(settings, process)` puts one handler on the root logger: JSON, one object
+a line (python-json-logger), or text for a person ("auto": text on a terminal, JSON
+otherwise; `TIDEGATE_LOG_FORMAT`, `TIDEGATE_LOG_LEVEL`). Every line carries `ts`, `level`,
+`logger`, `message`, `process` (its kind: api, worker, ...) and, when known, the context
+fields of FIELDS:
+
+    job_id    the job a line is about (`job_context` around a job's work; Celery's own
+              task lines about a job task get it from their task id)
+    lane      the job's lane
+    worker    the worker's name, set once per worker process (`set_process_fields`)
+    attempt   the job's attempt (its claim count in the store)
+    trace_id  the current OpenTelemetry trace, 32 hex digits, when a span is current
+
+Only these fields leave the process: a library's `extra=` (Celery's task lines carry
+the task's arguments in theirs) is dropped, so no prompt or output text rides along.
+Messages themselves carry ids and counts, never text (the rule of every logger here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import logging.config
+import re
+import sys
+from collections.abc import Collection, Iterator, Mapping
+from contextvars import ContextVar, Token
+from types import MappingProxyType
+from typing import Any
+
+from pythonjsonlogger.json import JsonFormatter as _LibJsonFormatter
+
+from tidegate.settings import Settings
+
+FIELDS = ("job_id", "lane", "worker", "attempt", "trace_id")
+# What a JSON line may hold: the record's own fields (renamed) and the context fields.
+ALLOWED = frozenset({"ts", "level", "logger", "message", "process", "exc_info", "stack_info",
+                     *FIELDS})
+TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(process_kind)s %(name)s: %(message)s%(context)s"
+
+# Never mutated: each change sets a new mapping, so a reset restores the one before.
+_job: ContextVar[Mapping[str, Any]] = ContextVar("tidegate_log_context",
+                                                 default=MappingProxyType({}))
+_process: dict[str, Any] = {}  # fields of the whole process (the worker's name)
+
+
+@contextlib.contextmanager
+def job_context(**fields: Any) -> Iterator[None]:
+    """Every line logged inside (in this thread or task) carries these fields."""
+    token = open_context(**fields)
+    try:
+        yield
+    finally:
+        close_context(token)
+
+
+def open_context(**fields: Any) -> Token[Mapping[str, Any]]:
+    """`job_context` in two calls, for hooks with a start and an end (Celery's task_prerun
+    and task_postrun, in the task's thread); `close_context` with the token ends it."""
+    return _job.set({**_job.get(), **_known(fields)})
+
+
+def close_context(token: Token[Mapping[str, Any]]) -> None:
+    _job.reset(token)
+
+
+def bind(**fields: Any) -> None:
+    """Adds fields to the current job context (the attempt, once the job is claimed); they
+    last until the enclosing `job_context` ends."""
+    _job.set({**_job.get(), **_known(fields)})
+
+
+def set_process_fields(**fields: Any) -> None:
+    """Fields every line of this process carries (a worker's name)."""
+    _process.update(_known(fields))
+
+
+def _known(fields: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = set(fields) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown log context fields {sorted(unknown)}; known: {FIELDS}")
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def current_trace_id() -> str | None:
+    """The current OpenTelemetry span's trace id (None without a valid span, or without
+    opentelemetry). Tracing itself is configured elsewhere; this only reads it."""
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return None
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else None
+
+
+class ContextFilter(logging.Filter):
+    """Puts the process kind and the context fields on every record a handler writes.
+    A field the caller passed in `extra=` wins. `job_tasks`: Celery task names whose task
+    id is a job id; Celery's lines about those tasks (received, succeeded, failed) pass
+    the task's id and name as their format arguments."""
+
+    def __init__(self, process: str = "", job_tasks: Collection[str] = (),
+                 worker: str | None = None) -> None:
+        super().__init__()
+        self.process, self.job_tasks = process, frozenset(job_tasks)
+        if worker:  # a child process configured from a file (vLLM's engine core)
+            set_process_fields(worker=worker)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.process_kind = self.process
+        fields = {**_process, **_job.get()}
+        trace_id = current_trace_id()
+        if trace_id:
+            fields["trace_id"] = trace_id
+        args = record.args
+        if isinstance(args, Mapping) and args.get("name") in self.job_tasks and "id" in args:
+            fields.setdefault("job_id", args["id"])
+        for name, value in fields.items():
+            if not hasattr(record, name):
+                setattr(record, name, value)
+        return True
+
+
+class AccessPaths(logging.Filter):
+    """For uvicorn's access log: the request's path without its query string (a query can
+    carry text), and the job a path names as `job_id`. uvicorn passes (client, method,
+    path with query, HTTP version, status) as the record's arguments."""
+
+    def __init__(self, job_path: re.Pattern[str] | None = None) -> None:
+        super().__init__()
+        self.job_path = job_path
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str):
+            path = args[2].partition("?")[0]
+            record.args = (*args[:2], path, *args[3:])
+            found = self.job_path.search(path) if self.job_path else None
+            if found and not hasattr(record, "job_id"):
+                record.job_id = found.group(1)
+        return True
+
+
+class JsonFormatter(_LibJsonFormatter):
+    """python-json-logger's formatter with tidegate's field names and its allow-list."""
+
+    def __init__(self, process: str = "", **kwargs: Any) -> None:
+        super().__init__("%(levelname)s %(name)s %(message)s", timestamp="ts",
+                         rename_fields={"levelname": "level", "name": "logger"},
+                         static_fields={"process": process} if process else None, **kwargs)
+
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        kept = {k: v for k, v in log_data.items() if k in ALLOWED}
+        return {"ts": kept.pop("ts", None), **kept}  # the time first, for a reader
+
+
+class TextFormatter(logging.Formatter):
+    """For a person at a terminal: the context fields follow the message as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        if not hasattr(record, "process_kind"):
+            record.process_kind = "-"
+        pairs = [f"{f}={getattr(record, f)}" for f in FIELDS if getattr(record, f, None)]
+        record.context = f" [{' '.join(pairs)}]" if pairs else ""
+        return super().format(record)
+
+
+def wants_json(settings: Settings) -> bool:
+    if settings.log_format == "auto":
+        return not sys.stderr.isatty()
+    return settings.log_format == "json"
+
+
+def dict_config(settings: Settings, process: str, job_tasks: Collection[str] = (),
+                loggers: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A `logging.config.dictConfig` of the one format: its handler on the root logger,
+    and `loggers` (name -> level, or a logger config) sent through the root with no
+    handler of their own (uvicorn's, Celery's). Written to a file, it configures child
+    processes too (vLLM's engine core: workers/service.py)."""
+    formatter: dict[str, Any] = {"()": f"{__name__}.TextFormatter"}
+    if wants_json(settings):
+        formatter = {"()": f"{__name__}.JsonFormatter", "process": process}
+    context: dict[str, Any] = {"()": f"{__name__}.ContextFilter", "process": process,
+                               "job_tasks": sorted(job_tasks)}
+    if _process.get("worker"):
+        context["worker"] = _process["worker"]
+    named: dict[str, dict[str, Any]] = {
+        name: {"handlers": [], "propagate": True,
+               **({"level": v} if isinstance(v, str) else v)}
+        for name, v in (loggers or {}).items()}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"tidegate": formatter},
+        "filters": {"context": context},
+        "handlers": {"tidegate": {"class": "logging.StreamHandler", "formatter": "tidegate",
+                                  "filters": ["context"], "stream": "ext://sys.stderr"}},
+        "root": {"level": settings.log_level.upper(), "handlers": ["tidegate"]},
+        "loggers": named,
+    }
+
+
+def setup_logging(settings: Settings, process: str, job_tasks: Collection[str] = (),
+                  loggers: Mapping[str, Any] | None = None) -> None:
+    """This process's logging: the one handler on the root logger, Python warnings
+    logged through it. Call it once, early, before libraries log."""
+    logging.config.dictConfig(dict_config(settings, process, job_tasks, loggers))
+    logging.captureWarnings(True)
