@@ -68,6 +68,7 @@ bench: venv model
 	$(PY) bench/tiers.py
 	$(PY) bench/coldstart.py
 	$(PY) bench/peak.py
+	$(PY) bench/festival.py
 	$(PY) bench/kv.py
 	$(PY) bench/frontdoor.py
 

@@ -193,10 +193,11 @@ def _ops_routes(app: FastAPI, deps: Deps) -> None:
 
     @app.get("/fleetz")
     async def fleetz() -> JSONResponse:
-        # Redis down: its RedisError is the 503 of handle_unreachable.
+        # A report, not a probe: 200 whatever the fleet's state (`ready` says it; the
+        # alert TidegateLaneWithoutActiveWorker watches it). A 5xx is kept for what the
+        # API itself lacks: Redis down is handle_unreachable's 503 with Retry-After.
         fleet = await asyncio.to_thread(read_fleet, deps.sync_redis, deps.settings.namespace)
-        report = fleet_report(fleet, deps.settings.lanes)
-        return JSONResponse(report, status_code=200 if report["ready"] else 503)
+        return JSONResponse(fleet_report(fleet, deps.settings.lanes))
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -311,8 +311,9 @@ def _operations() -> dict[tuple[str, str], Json]:
                          "(workers: /fleetz).", "Readiness"),
             "503": _json("Something is not ready: `checks` says what.", "Readiness")}},
         ("/fleetz", "get"): {"operationId": "fleet", "responses": {
-            "200": _json("Every lane has an active worker.", "Fleet"),
-            "503": _json("A lane has no active worker: `lanes` says which.", "Fleet")}},
+            "200": _json("The fleet: `ready` when every lane has an active worker, and "
+                         "`lanes` says which lack one.", "Fleet"),
+            "503": _error(503)}},
         ("/metrics", "get"): {"operationId": "metrics", "responses": {"200": {
             "description": "Prometheus metrics.",
             "content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}}}},

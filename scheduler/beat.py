@@ -81,6 +81,7 @@ class OneBeat(RedBeatScheduler):  # type: ignore[misc]  # redbeat has no type hi
         try:
             if not self._hold_lock():
                 return float(self.max_interval)  # another beat sends the schedule
+            self._keep_schedule()
             return float(super().tick(*args, **kwargs))  # renews the lock, sends what is due
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("beat: Redis unreachable (%s); trying again in %g s",
@@ -99,6 +100,14 @@ class OneBeat(RedBeatScheduler):  # type: ignore[misc]  # redbeat has no type hi
             log.info("beat: took the lock %s; this beat sends the schedule", self.lock_key)
             return True
         return False
+
+    def _keep_schedule(self) -> None:
+        """The schedule written again when Redis lost it (restarted empty, or a failover
+        that lost the last writes): redbeat writes it only at its start, and a beat whose
+        schedule is gone sends nothing, the reconciler that rebuilds Redis included."""
+        if not get_redis(self.app).exists(self.app.redbeat_conf.schedule_key):
+            log.warning("beat: the schedule is gone from Redis; writing it again")
+            self.setup_schedule()
 
     def _new_lock(self) -> Any:
         """The lock as redbeat's start takes it (redbeat.schedulers, beat_init)."""

@@ -126,7 +126,7 @@ def _worker(args: argparse.Namespace) -> None:
     from tasks.app import celery_app
     from workers.service import run_worker
 
-    run_worker(celery_app(), args.lane, args.gpu, args.name, args.loglevel, pool=args.pool,
+    run_worker(celery_app(), args.lane, args.gpu, args.name, _log_level(args), pool=args.pool,
                engine=args.engine, standby=args.standby, cpus=args.cpus,
                metrics_port=args.metrics_port)
 
@@ -202,13 +202,25 @@ def flower_auth_problem(user: str, password: str) -> str | None:
 def _scheduler(args: argparse.Namespace) -> None:
     from scheduler.service import run_scheduler
 
-    run_scheduler(args.loglevel)
+    run_scheduler(_log_level(args))
 
 
 def _webhooks(args: argparse.Namespace) -> None:
     from tasks.webhooks import run_webhook_worker
 
-    run_webhook_worker(args.loglevel)
+    run_webhook_worker(_log_level(args))
+
+
+LOGLEVEL_HELP = "DEBUG, INFO, WARNING, ... (default TIDEGATE_LOG_LEVEL)"
+
+
+def _log_level(args: argparse.Namespace) -> str:
+    """`--loglevel` over TIDEGATE_LOG_LEVEL: the one level this process's logging setup
+    (tidegate/logs.py) and Celery's own option both use."""
+    settings = get_settings()
+    if args.loglevel:
+        settings.log_level = args.loglevel.upper()
+    return settings.log_level
 
 
 def _tenant_webhook(args: argparse.Namespace) -> None:
@@ -289,7 +301,7 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--cpus", default=None,
                    help="CPU engines: cores to pin the engine to, e.g. 1 or 2-3")
     w.add_argument("--name", default=None, help="worker name (Celery node name)")
-    w.add_argument("--loglevel", default="INFO")
+    w.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
     w.add_argument("--engine", default="vllm", choices=["vllm", "trtllm", "sim"],
                    help="sim: no model, a GPU's timings (TIDEGATE_SIM_PROFILE)")
     w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
@@ -311,10 +323,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="show the fleet").set_defaults(func=_status)
     _kv_parser(sub)
     sched = sub.add_parser("scheduler", help="run the scheduler (Celery beat and its tasks)")
-    sched.add_argument("--loglevel", default="INFO")
+    sched.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
     sched.set_defaults(func=_scheduler)
     hooks = sub.add_parser("webhooks", help="run a webhook delivery process (and dispatcher)")
-    hooks.add_argument("--loglevel", default="INFO")
+    hooks.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
     hooks.set_defaults(func=_webhooks)
     return p
 

@@ -38,8 +38,8 @@ class RunningStack:
 
 def api_ready(base_url: str, workers: Collection[str]) -> bool:
     """The API answers /readyz with 200 and /fleetz shows every one of `workers` active;
-    with no worker to wait for, /readyz alone. /fleetz itself may be 503: a stack serves
-    some lanes, not every lane of its lanes file."""
+    with no worker to wait for, /readyz alone. Not /fleetz's `ready`: a stack serves some
+    lanes, not every lane of its lanes file."""
     try:
         if httpx.get(f"{base_url}/readyz", timeout=2).status_code != 200:
             return False
