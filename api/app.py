@@ -39,6 +39,7 @@ from api.deps import (
     job_json,
     json_body,
     lane_rank,
+    stream_rank,
 )
 from api.errors import ApiError, malformed, not_found, unavailable
 from api.fleet import fleet_report
@@ -170,8 +171,8 @@ def _routes(app: FastAPI, deps: Deps) -> None:
         key = bearer_key(request)
         after = _resume_after(last_event_id, request.query_params.get("last_event_id"))
         job_id = check_job_id(job_id)
-        rank = lane_rank(deps, deps.recent_lanes.get(job_id))  # a stream opened after its submit
-        job = await deps.admission.run(rank, _owned_job, deps, key, job_id)
+        job = await deps.admission.run(stream_rank(deps, job_id, after), _owned_job, deps,
+                                       key, job_id)
         if job is None:
             raise not_found("job")
         give_back = deps.streams.take(job.tenant_id)  # 429 when the caps are reached

@@ -41,6 +41,11 @@ from tidegate.settings import Settings
 # enough to overlap their store and broker round trips, few enough that the queue orders.
 SUBMIT_THREADS = 4
 UNKNOWN_LANE_RANK = 100.0
+# A stream that resumes (Last-Event-ID) comes before every lane's submits: its consumer is
+# mid-stream, waiting on tokens already made, and opening it costs one row read. After an
+# API restart every consumer resumes at once, beside the producers' retried submits; the
+# restarted process knows none of their lanes, and ranked unknown they waited behind all.
+RESUME_RANK = (-1.0,)
 RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
 FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
 # Redis connections beyond one per SSE stream: readiness, cancels, auth changes.
@@ -145,6 +150,14 @@ def lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) ->
     if lane is None:
         return (UNKNOWN_LANE_RANK,)  # a 400 to come, or a job this process did not submit
     return (lane.cpu_nice, -(lane.default_priority if priority is None else priority))
+
+
+def stream_rank(deps: Deps, job_id: str, after: int) -> tuple[float, ...]:
+    """A stream opening's place among the waiting calls: a resume first (RESUME_RANK),
+    else its job's lane as this process admitted it."""
+    if after >= 0:
+        return RESUME_RANK
+    return lane_rank(deps, deps.recent_lanes.get(job_id))
 
 
 def admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobAccepted:

@@ -15,10 +15,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import (
     Connection,
     Table,
@@ -34,6 +32,9 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer, sessionmaker
+
+if TYPE_CHECKING:
+    from alembic.config import Config
 
 from store.engine import WRITE_OPTION, is_sqlite_memory, make_engine, normalize_url
 from store.models import (
@@ -84,6 +85,11 @@ def hash_key(api_key: str) -> str:
 
 
 def alembic_config(url: str) -> Config:
+    # Alembic is imported here, not at the top: every process imports the store, only
+    # `tidegate db upgrade` migrates, and its import is a seventh of a restarted API's
+    # start (which is how long its streams wait).
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
     rendered = normalize_url(url).render_as_string(hide_password=False)
@@ -94,6 +100,8 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Run the Alembic migrations on the database at url."""
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
 
 

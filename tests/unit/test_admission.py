@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from api.admission import Admission, RecentLanes
 from api.app import _sse_frames
+from api.deps import stream_rank
 from tidegate.events import Event
 from tidegate.lanes import LanesConfigError, load_lanes
 
@@ -44,6 +46,20 @@ def test_inside_a_lane_higher_priority_first_then_arrival() -> None:
     order = asyncio.run(_order_served([("p4-a", (10, -4)), ("p9", (10, -9)),
                                        ("p4-b", (10, -4))]))
     assert order == ["p9", "p4-a", "p4-b"]
+
+
+def test_a_resumed_stream_opens_before_every_lanes_submits() -> None:
+    """After an API restart its consumers resume (Last-Event-ID) beside the producers'
+    retried submits, in lanes the new process never saw: the resumes go first."""
+    recent = RecentLanes(size=4)
+    recent.add("job-f", "finance")
+    deps = SimpleNamespace(settings=SimpleNamespace(lanes=load_lanes()),
+                           recent_lanes=recent)
+    resumed = stream_rank(deps, "job-unknown", after=41)  # type: ignore[arg-type]
+    assert stream_rank(deps, "job-f", after=-1) == FINANCE  # type: ignore[arg-type]
+    order = asyncio.run(_order_served([("chat-1", CHAT), ("finance-1", FINANCE),
+                                       ("resume", resumed)]))
+    assert order == ["resume", "finance-1", "chat-1"]
 
 
 def test_an_error_in_a_submit_reaches_its_caller_and_the_thread_serves_on() -> None:
