@@ -43,6 +43,34 @@ class Stack:
         return [Event.from_json(fields[b"e"]) for _, fields in entries]
 
 
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 now (a poll for wait_until; any HTTP error is a no)."""
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def reconciling_scheduler(stack: Stack, log_path: Any, **env: str) -> Iterator[Proc]:
+    """A scheduler on the stack whose tick never comes (it would steer the session's
+    workers) and whose reconciler runs every half second, once its first pass ran."""
+    import os
+
+    from tidegate_tools.procs import tidegate_argv
+
+    proc = Proc(log_path.stem, tidegate_argv("scheduler"), log_path,
+                {**os.environ, "TIDEGATE_SCHEDULER_TICK_S": "3600",
+                 "TIDEGATE_RECONCILE_S": "0.5", **env})
+    try:
+        pattern = keys.scheduler_lock(stack.namespace, "reconcile", 0)[:-1] + "*"
+        wait_until(lambda: any(stack.redis.scan_iter(match=pattern)), 120,
+                   "the scheduler's first reconcile pass", [proc])
+        yield proc
+    finally:
+        proc.stop()
+
+
 def make_tenant(store: Store, name: str, lanes: list[str]) -> tuple[int, str]:
     tenant, key = store.create_tenant(name, lanes)
     return tenant.id, key

@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from store import Store, upgrade
-from tests.helpers import advertise
+from tests.helpers import advertise, answers
 from tidegate import keys
 from tidegate_tools.procs import (
     Proc,
@@ -118,12 +118,6 @@ def test_flower_binds_the_address_its_setting_names(redis_server: str, tmp_root:
     finally:
         proc.stop()
 
-
-def answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.fixture

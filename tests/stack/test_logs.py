@@ -10,7 +10,6 @@ of a scheduler (Celery worker with its embedded beat) started and stopped here.
 from __future__ import annotations
 
 import json
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -20,9 +19,8 @@ from typing import Any
 import pytest
 from tidegate_client import Client
 
-from tests.helpers import Stack
-from tidegate import keys
-from tidegate_tools.procs import Proc, tidegate_argv, wait_until
+from tests.helpers import Stack, reconciling_scheduler
+from tidegate_tools.procs import Proc, wait_until
 
 LANE = "finance"  # its max_tokens allows jobs long enough to expire or cancel
 
@@ -70,16 +68,8 @@ def about(record: dict[str, Any], job_ids: list[str]) -> str | None:
 def scheduler(stack: Stack, tmp_root: Path) -> Iterator[Proc]:
     """A scheduler whose tick never comes (it would steer the session's workers); its
     reconciler runs every half second."""
-    env = {**os.environ, "TIDEGATE_SCHEDULER_TICK_S": "3600", "TIDEGATE_RECONCILE_S": "0.5"}
-    proc = Proc("scheduler-logs", tidegate_argv("scheduler"),
-                tmp_root / "logs" / "scheduler-logs.log", env)
-    try:
-        pattern = keys.scheduler_lock(stack.namespace, "reconcile", 0)[:-1] + "*"
-        wait_until(lambda: any(stack.redis.scan_iter(match=pattern)), 120,
-                   "the scheduler's first reconcile pass", [proc])
+    with reconciling_scheduler(stack, tmp_root / "logs" / "scheduler-logs.log") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def run_jobs(stack: Stack, mark: str) -> dict[str, str]:

@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import Stack
+from tests.helpers import Stack, answers
 from tidegate_tools.procs import (
     Proc,
     free_port,
@@ -108,18 +108,12 @@ def targets(stack: Stack, tmp_root: Path) -> Iterator[dict[str, str]]:
                 lane = next(lane for lane, name in stack.workers.items()
                             if proc.name == f"worker:{name}")
                 urls[f"worker-{lane}"] = f"http://127.0.0.1:{proc.metrics_port}/metrics"
-        wait_until(lambda: _answers(urls["scheduler"]), 120, "the scheduler's /metrics", procs)
+        wait_until(lambda: answers(urls["scheduler"]), 120, "the scheduler's /metrics", procs)
         yield urls
     finally:
         for proc in procs:
             proc.stop()
 
-
-def _answers(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @dataclass

@@ -40,14 +40,14 @@ from tidegate_client import Client
 from tasks.app import celery_app, make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.conftest import REDIS_PORT
-from tests.helpers import Stack
+from tests.helpers import Stack, reconciling_scheduler
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import redis_priority
 from tidegate.records import WorkerState
 from tidegate.settings import get_settings
-from tidegate_tools.procs import Proc, start_redis, tidegate_argv, wait_until
+from tidegate_tools.procs import Proc, start_redis, wait_until
 from tidegate_tools.stack import api_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -121,17 +121,9 @@ def a_ghost(stack: Stack) -> str:
 
 @pytest.fixture(scope="module")
 def scheduler(stack: Stack, tmp_root: Path) -> Iterator[Proc]:
-    env = {**os.environ, "TIDEGATE_SCHEDULER_TICK_S": "3600", "TIDEGATE_RECONCILE_S": "0.5",
-           "TIDEGATE_RECONCILE_GRACE_S": str(GRACE_S)}
-    proc = Proc("scheduler", tidegate_argv("scheduler"), tmp_root / "logs" / "scheduler.log",
-                env)
-    try:
-        pattern = keys.scheduler_lock(stack.namespace, "reconcile", 0)[:-1] + "*"
-        wait_until(lambda: any(stack.redis.scan_iter(match=pattern)), 120,
-                   "the scheduler's first reconcile pass", [proc])
+    with reconciling_scheduler(stack, tmp_root / "logs" / "scheduler.log",
+                               TIDEGATE_RECONCILE_GRACE_S=str(GRACE_S)) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_a_dead_workers_taken_session_job_goes_back_to_the_pool(stack: Stack) -> None:
