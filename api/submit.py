@@ -276,7 +276,8 @@ def _sample_traffic(deps: SubmitDeps, lane: Lane, system: str) -> None:
     (warmed into activated workers; tidegate/hot.py)."""
     ns = deps.settings.namespace
     pipe = deps.sync_redis.pipeline(transaction=False)
-    key = keys.arrivals(ns, lane.name, int(time.time() // 60))
+    # Counted by the planning clock's minute (a replay's simulated minute; tidegate/clock.py).
+    key = keys.arrivals(ns, lane.name, deps.settings.clock.minute())
     pipe.incr(key)
     pipe.expire(key, keys.ARRIVALS_TTL_S)
     if system and lane.share_prefix_cache:

@@ -13,24 +13,27 @@ Model
   slots busy, so they already carry the batching slowdown). TTFT = queue wait + prefill;
   a job holds its slot for prefill + (tokens - 1) x TPOT.
 - Reactive: every minute a scaler sizes the fleet to (busy slots + queued jobs) at a
-  target utilisation of 75% and cold-starts the missing workers (135 s until they take
-  jobs); it drains one worker after 5 minutes of wanting fewer.
+  target utilisation of 75% and cold-starts the missing workers (the profile's cold start
+  until they take jobs); it drains one worker after 5 minutes of wanting fewer.
 - Pre-warming: every minute the scheduler forecasts the next 30 minutes from the
   history (7 simulated previous days plus today so far), plans the active workers for
-  the highest rate before the next decision lands (lead time = 10 s activation + margin)
-  and activates standby workers (10 s); it cold-starts standby workers early enough for
+  the highest rate before the next decision lands (lead time = activation + margin)
+  and activates standby workers; it cold-starts standby workers early enough for
   the highest rate in the 30-minute horizon, and returns one worker a minute to standby
   when it needs fewer.
 
-Calibration (where the figures come from)
-- Per job, from bench/results/e2e.json (tidegate's worker, 64 engine slots, 32-token
-  jobs): prefill lognormal with the worker-side TTFT's p50/p99, TPOT lognormal with the
-  measured TPOT p50/p99; per-worker capacity = slots / mean service time. The defaults
-  below are those figures, used when the file is missing.
-- Cold start 135 s (engine load + warm-up of a fresh node), standby -> active 10 s.
-- Rates are scaled down to a lane of 2-3 workers at dusk (about 80 jobs/s at 20:00)
-  and some 20 at the peak, so a run stays at about 5 million jobs (10-20 s of CPU); what
-  the result depends on are ratios: peak / per-worker capacity, cold start / ramp.
+Calibration (where the figures come from): one named engine profile, the sim engine's
+(workers/sim_profiles.toml, `PROFILE`), and nothing another benchmark wrote.
+- Per job (PROMPT_TOKENS in, TOKENS out, on a worker with all SLOTS busy): the profile's
+  step time gives the median prefill (a step that prefills the prompt beside SLOTS - 1
+  decoders) and the median TPOT (a step of SLOTS decoders); both are lognormal around
+  them, their p99 SPREAD times the median (a real engine's steps vary with the batch).
+  Per-worker capacity = slots / mean service time.
+- Cold start and standby -> active: the profile's cold_start_s and activation_s.
+- Rates are scaled to the worker's capacity: the day curve's mean is BASE_LOAD workers'
+  worth (2-3 workers at dusk, some 20 at the peak), so a run stays at a few million jobs
+  (10-20 s of CPU); what the result depends on are ratios: peak / per-worker capacity,
+  cold start / ramp.
 - Both policies start at 17:00 with the fleet the planner sizes for that minute; the
   first hour is warm-up, left out of every figure but the per-minute plot.
 """
@@ -39,12 +42,11 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import json
 import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -72,20 +74,22 @@ from scheduler.peaks import PeakWindow, peak_factor, windows_of  # noqa: E402
 from scheduler.planner import Capacity, capacity_from, lead_time_s, plan  # noqa: E402
 from scheduler.router import WorkerView  # noqa: E402
 from tidegate.lanes import Lane, load_lanes  # noqa: E402
+from workers.sim_engine import SimProfile, load_profile  # noqa: E402
 
-# -- calibration -----------------------------------------------------------------------
-SLOTS = 64  # engine slots of a worker (e2e: "1 Celery worker, 64 engine slots")
-DEFAULT_ENGINE = {"prefill_p50_s": 0.214, "prefill_p99_s": 0.545,  # e2e worker-side TTFT
-                  "tpot_p50_s": 0.0329, "tpot_p99_s": 0.0859, "tokens": 32}
-COLD_START_S = 135.0  # a fresh node: engine load and warm-up before it takes jobs
-ACTIVATION_S = 10.0  # standby -> active: add_consumer on a loaded, warmed engine
+# -- calibration: one named profile of the sim engine ----------------------------------
+PROFILE = "llama-3.1-8b-fp8-h100"  # workers/sim_profiles.toml
+SLOTS = 64  # engine slots of a worker
+PROMPT_TOKENS, TOKENS = 512, 128  # per job
+# p99 / p50 of a job's prefill and TPOT: a real engine's steps vary with the batch's
+# composition; the profile gives the median step.
+PREFILL_SPREAD, TPOT_SPREAD = 2.5, 2.6
 MARGIN_S = 50.0  # added to the activation time: the planner's lead time
 TICK_S = 60  # both policies decide once a minute (the beat interval)
 HORIZON_MIN = 30  # the forecast the standby pool is sized for
 
 # -- traffic ---------------------------------------------------------------------------
 DAY0 = datetime(2026, 11, 11, tzinfo=UTC)  # the festival day
-BASE_RATE = 60.0  # jobs/s at the day curve's mean: about 2 workers' worth at dusk
+BASE_LOAD = 1.15  # the day curve's mean, in workers' capacity: 2-3 workers at dusk
 DAY_SWING = 0.3  # the day curve: +-30% around the mean, highest at 20:00
 TODAY_GROWTH = 1.05  # the festival day runs 5% above the previous days (the trend sees it)
 FESTIVAL = {"start": DAY0 + timedelta(hours=20), "end": DAY0 + timedelta(hours=21, minutes=30),
@@ -110,38 +114,55 @@ class Engine:
     tpot_p50_s: float
     tpot_p99_s: float
     tokens: int
-    source: str
+    cold_start_s: float
+    activation_s: float
+    profile: SimProfile
+
+    @property
+    def source(self) -> str:
+        return f"sim profile `{self.profile.name}` (workers/sim_profiles.toml)"
+
+    @property
+    def base_rate(self) -> float:
+        """Jobs/s at the day curve's mean: BASE_LOAD workers' capacity (lognormal means)."""
+        prefill = lognormal_mean(self.prefill_p50_s, self.prefill_p99_s)
+        service = prefill + (self.tokens - 1) * lognormal_mean(self.tpot_p50_s, self.tpot_p99_s)
+        return BASE_LOAD * SLOTS / service
 
 
-def engine_figures() -> Engine:
-    """The worker's figures from the e2e benchmark's results, or the defaults above."""
-    path = RESULTS / "e2e.json"
-    try:
-        data = json.loads(path.read_text())
-        tg = data["tidegate"]
-        return Engine(tg["server_ttft_p50_ms"] / 1000, tg["server_ttft_p99_ms"] / 1000,
-                      tg["tpot_p50_ms"] / 1000, tg["tpot_p99_ms"] / 1000,
-                      int(data["setup"]["tokens per request"]), f"{path.relative_to(ROOT)}")
-    except (OSError, KeyError, ValueError):
-        return Engine(**DEFAULT_ENGINE, source="defaults in bench/peak.py")  # type: ignore[arg-type]
+def engine_figures(name: str = PROFILE) -> Engine:
+    """The per-job and fleet figures of the named sim profile: see the module docstring."""
+    profile = load_profile(name)
+    context = PROMPT_TOKENS + TOKENS // 2  # a decoding sequence's KV tokens, mid-job
+    prefill = profile.step_s(SLOTS - 1, (SLOTS - 1) * context, PROMPT_TOKENS)
+    tpot = profile.step_s(SLOTS, SLOTS * context, 0)
+    return Engine(prefill, prefill * PREFILL_SPREAD, tpot, tpot * TPOT_SPREAD, TOKENS,
+                  profile.cold_start_s, profile.activation_s, profile)
 
 
 def lognormal(rng: np.random.Generator, p50: float, p99: float, n: int) -> np.ndarray:
-    sigma = math.log(p99 / p50) / 2.326  # z of the 99th percentile
-    return rng.lognormal(math.log(p50), sigma, n)
+    return rng.lognormal(math.log(p50), _sigma(p50, p99), n)
+
+
+def lognormal_mean(p50: float, p99: float) -> float:
+    return p50 * math.exp(_sigma(p50, p99) ** 2 / 2)
+
+
+def _sigma(p50: float, p99: float) -> float:
+    return math.log(p99 / p50) / 2.326  # z of the 99th percentile
 
 
 # -- traffic ---------------------------------------------------------------------------
 
 
-def day_rate(at: datetime) -> float:
+def day_rate(at: datetime, base_rate: float) -> float:
     """The previous days' arrival rate (jobs/s) at `at`."""
     hours = at.hour + at.minute / 60
-    return BASE_RATE * (1 + DAY_SWING * math.cos(2 * math.pi * (hours - 20) / 24))
+    return base_rate * (1 + DAY_SWING * math.cos(2 * math.pi * (hours - 20) / 24))
 
 
-def festival_rate(at: datetime, windows: Sequence[PeakWindow]) -> float:
-    return day_rate(at) * TODAY_GROWTH * peak_factor(windows, at)
+def festival_rate(at: datetime, windows: Sequence[PeakWindow], base_rate: float) -> float:
+    return day_rate(at, base_rate) * TODAY_GROWTH * peak_factor(windows, at)
 
 
 def minute_counts(rng: np.random.Generator, start: datetime, minutes: int,
@@ -151,10 +172,10 @@ def minute_counts(rng: np.random.Generator, start: datetime, minutes: int,
     return rng.poisson([rate(m) * 60 for m in mids])
 
 
-def history_days(rng: np.random.Generator) -> dict[datetime, float]:
+def history_days(rng: np.random.Generator, base_rate: float) -> dict[datetime, float]:
     """The previous days' arrivals per minute: the forecaster's seasonal history."""
     start = DAY0 - timedelta(days=HISTORY_DAYS)
-    counts = minute_counts(rng, start, HISTORY_DAYS * 1440, day_rate)
+    counts = minute_counts(rng, start, HISTORY_DAYS * 1440, lambda m: day_rate(m, base_rate))
     return {start + timedelta(minutes=i): float(n) for i, n in enumerate(counts)}
 
 
@@ -170,7 +191,8 @@ class Jobs:
 
 def festival_jobs(rng: np.random.Generator, windows: Sequence[PeakWindow],
                   engine: Engine) -> Jobs:
-    counts = minute_counts(rng, DAY0, SIM_END_H * 60, lambda m: festival_rate(m, windows))
+    counts = minute_counts(rng, DAY0, SIM_END_H * 60,
+                           lambda m: festival_rate(m, windows, engine.base_rate))
     first = SIM_START_H * 60
     arrival = np.concatenate([np.sort(rng.uniform(m * 60, m * 60 + 60, n))
                               for m, n in enumerate(counts[first:], start=first)])
@@ -287,6 +309,7 @@ class Reactive:
     like an autoscaler's stabilisation window: to the most it wanted in the last minutes."""
 
     lane: Lane
+    cold_start_s: float
     name: str = "reactive"
     recent: list[int] = field(default_factory=list)  # what it wanted, last minutes
 
@@ -297,7 +320,7 @@ class Reactive:
         self.recent = [*self.recent, wanted][-REACTIVE_DOWN_TICKS:]
         live = fleet.active(t) + fleet.pending(t)
         for _ in range(wanted - live):
-            fleet.activate(t + COLD_START_S)
+            fleet.activate(t + self.cold_start_s)
             fleet.cold_starts += 1
         if len(self.recent) == REACTIVE_DOWN_TICKS:
             for _ in range(live - max(self.recent)):
@@ -313,6 +336,7 @@ class Prewarm:
     today: np.ndarray  # the festival day's arrivals per minute (read as minutes end)
     capacity: Capacity
     prefill_ms: float
+    engine: Engine
     name: str = "pre-warming"
     plans: list[int] = field(default_factory=list)
 
@@ -321,7 +345,7 @@ class Prewarm:
         minute = int(t // 60) - 1
         self.history[now - timedelta(minutes=1)] = float(self.today[minute])
         expected = forecast(self.history, now, HORIZON_MIN, windows_of(self.lane))
-        lead = timedelta(seconds=lead_time_s(ACTIVATION_S, MARGIN_S) + TICK_S)
+        lead = timedelta(seconds=lead_time_s(self.engine.activation_s, MARGIN_S) + TICK_S)
         target = self.workers(peak_rate_per_s(expected, now, now + lead))
         ready = self.workers(peak_rate_per_s(expected, now, now + timedelta(minutes=HORIZON_MIN)))
         self.plans.append(target)
@@ -342,14 +366,14 @@ class Prewarm:
         live = len(fleet.live())
         wanted = max(ready - live, 0) + STANDBY_POOL
         for _ in range(wanted - fleet.standby - len(fleet.standby_ready)):
-            fleet.standby_ready.append(t + COLD_START_S)
+            fleet.standby_ready.append(t + self.engine.cold_start_s)
             fleet.cold_starts += 1
         fleet.standby = min(fleet.standby, max(wanted - len(fleet.standby_ready), 0))
 
     def scale(self, t: float, fleet: Fleet, target: int) -> None:
         up = min(target - fleet.active(t) - fleet.pending(t), fleet.standby)
         for _ in range(max(0, up)):
-            fleet.activate(t + ACTIVATION_S)
+            fleet.activate(t + self.engine.activation_s)
             fleet.standby -= 1
         if target < fleet.active(t):  # one a minute: the forecast may turn back up
             fleet.retire()
@@ -453,15 +477,18 @@ def setup(engine: Engine, capacity: Capacity, lane: Lane, jobs: Jobs) -> dict[st
         "lane": f"`{lane.name}` (TTFT p99 objective {lane.ttft_p99_objective_ms:,.0f} ms, "
                 f"{lane.min_workers}-{lane.max_workers} workers)",
         "engine figures from": engine.source,
-        "per job": f"prefill lognormal p50 {engine.prefill_p50_s * 1000:.0f} ms / p99 "
+        "per job": f"{PROMPT_TOKENS} prompt tokens; prefill lognormal p50 "
+                   f"{engine.prefill_p50_s * 1000:.0f} ms / p99 "
                    f"{engine.prefill_p99_s * 1000:.0f} ms (mean {mean_prefill * 1000:.0f} ms); "
                    f"{engine.tokens} tokens at TPOT p50 {engine.tpot_p50_s * 1000:.1f} ms / "
                    f"p99 {engine.tpot_p99_s * 1000:.1f} ms",
         "per worker": f"{SLOTS} slots, mean service {capacity.mean_service_s:.2f} s, "
                       f"capacity {capacity.per_worker_rps:.1f} jobs/s",
-        "cold start / activation (standby -> active)": f"{COLD_START_S:.0f} s / "
-                                                       f"{ACTIVATION_S:.0f} s",
-        "traffic": f"Poisson, day curve {BASE_RATE:g} jobs/s +-{DAY_SWING:.0%} (highest "
+        "engine profile": _profile_line(engine.profile),
+        "cold start / activation (standby -> active)": f"{engine.cold_start_s:g} s / "
+                                                       f"{engine.activation_s:g} s (the profile's)",
+        "traffic": f"Poisson, day curve {engine.base_rate:.1f} jobs/s ({BASE_LOAD:g} workers' "
+                   f"capacity) +-{DAY_SWING:.0%} (highest "
                    f"20:00), festival day {TODAY_GROWTH - 1:.0%} above the {HISTORY_DAYS} "
                    "previous days",
         "festival (declared in the lane)": f"{FESTIVAL['start']:%H:%M}-{FESTIVAL['end']:%H:%M}"
@@ -471,9 +498,9 @@ def setup(engine: Engine, capacity: Capacity, lane: Lane, jobs: Jobs) -> dict[st
         "steady state / peak": f"arrivals {STEADY_H[0]}:00-{STEADY_H[1]}:00 / the festival "
                                "window",
         "pre-warming": f"forecast {HORIZON_MIN} min, lead time "
-                       f"{lead_time_s(ACTIVATION_S, MARGIN_S):.0f} s (+{TICK_S} s to the next "
-                       f"decision), headroom {HEADROOM:.0%}, standby pool {STANDBY_POOL} + "
-                       "cold starts for the horizon",
+                       f"{lead_time_s(engine.activation_s, MARGIN_S):.0f} s (+{TICK_S} s to "
+                       f"the next decision), headroom {HEADROOM:.0%}, standby pool "
+                       f"{STANDBY_POOL} + cold starts for the horizon",
         "reactive": f"target utilisation {REACTIVE_UTIL:.0%} of (busy + queued), drain after "
                     f"{REACTIVE_DOWN_TICKS} min",
         "seed": SEED,
@@ -481,8 +508,8 @@ def setup(engine: Engine, capacity: Capacity, lane: Lane, jobs: Jobs) -> dict[st
 
 
 NOTES = [
-    "Each slot is an independent server; the per-job figures were measured with 64 "
-    "sequences in flight, so batching's slowdown is in them, not modelled on top.",
+    "Each slot is an independent server; the per-job figures are the profile's steps with "
+    "all 64 slots busy, so batching's slowdown is in them, not modelled on top.",
     "A drained worker finishes its jobs; a retired pre-warming worker goes back to standby.",
     "GPU-h held counts active, starting and standby workers: what each policy pays for.",
     "Rates are scaled down (2-3 workers at dusk, some 20 at the peak); the result depends "
@@ -505,12 +532,22 @@ def lane_with_festival() -> Lane:
     return Lane(**chat)
 
 
-def main() -> int:
-    began = time.process_time()
+@dataclass
+class Outcome:
+    engine: Engine
+    lane: Lane
+    jobs: Jobs
+    capacity: Capacity
+    results: dict[str, dict[str, Any]]
+
+
+def compute() -> Outcome:
+    """Both policies through the festival day: everything from the named profile, the
+    lanes model and the seed; no file another benchmark wrote."""
     rng = np.random.default_rng(SEED)
     engine = engine_figures()
     lane = lane_with_festival()
-    history = history_days(rng)
+    history = history_days(rng, engine.base_rate)
     jobs = festival_jobs(rng, windows_of(lane), engine)
     log(f"{len(jobs.arrival):,} jobs from {SIM_START_H}:00 to {SIM_END_H}:00")
     view = WorkerView(name="w", pool="vllm", lanes=frozenset({lane.name}), state="active",
@@ -519,8 +556,9 @@ def main() -> int:
     assert capacity is not None
     for m in range(SIM_START_H * 60):  # today before the simulated hours
         history[DAY0 + timedelta(minutes=m)] = float(jobs.counts[m])
-    prewarm = Prewarm(lane, history, jobs.counts, capacity, float(np.mean(jobs.prefill)) * 1000)
-    policies: list[Policy] = [Reactive(lane), prewarm]
+    prewarm = Prewarm(lane, history, jobs.counts, capacity,
+                      float(np.mean(jobs.prefill)) * 1000, engine)
+    policies: list[Policy] = [Reactive(lane, engine.cold_start_s), prewarm]
     # Both start with the fleet the planner sizes for the first minute's rate.
     initial = prewarm.workers(float(jobs.counts[SIM_START_H * 60]) / 60)
     results = {}
@@ -529,16 +567,25 @@ def main() -> int:
         results[policy.name] = summarize(jobs, run, lane.ttft_p99_objective_ms / 1000)
         log(f"{policy.name}: peak p99 / steady p99 "
             f"{results[policy.name]['p99_over_steady']:.2f}")
-    report = table(results, lane.ttft_p99_objective_ms)
-    info = setup(engine, capacity, lane, jobs) | {"machine": machine()}
+    return Outcome(engine, lane, jobs, capacity, results)
+
+
+def main() -> int:
+    began = time.process_time()
+    out = compute()
+    results = out.results
+    report = table(results, out.lane.ttft_p99_objective_ms)
+    info = setup(out.engine, out.capacity, out.lane, out.jobs) | {"machine": machine()}
     cpu_s = time.process_time() - began
     info["CPU time of the run (s)"] = f"{cpu_s:.1f}"
     write_report(RESULTS / "peak.md", "Festival night: reactive scaling vs pre-warming",
                  report + "\n\n![TTFT p99 per minute](peak.png)", info, NOTES)
-    plot(RESULTS / "peak.png", jobs, results)
+    plot(RESULTS / "peak.png", out.jobs, results)
+    print(f"engine: {info['engine profile']}")
     print(report)
     figures = {
         "benchmark": "peak",
+        "profile": out.engine.profile.name,
         "prewarm_p99_over_steady": results["pre-warming"]["p99_over_steady"],
         "reactive_p99_over_steady": results["reactive"]["p99_over_steady"],
         **{f"{JSON_PREFIX[name]}_{key}": value for name, r in results.items()
@@ -550,6 +597,13 @@ def main() -> int:
         for name, r in results.items()}})
     print_json_last(figures)
     return 0
+
+
+def _profile_line(profile: SimProfile) -> str:
+    """The profile as the report prints it: its name and every figure."""
+    figures = ", ".join(f"{f.name} {getattr(profile, f.name):g}" for f in fields(profile)
+                        if f.name != "name")
+    return f"`{profile.name}` (workers/sim_profiles.toml): {figures}"
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:lock:{name}:{period}``  | string  | scheduler,      | two periods (one beat acts; one   |
 |                                |         | worker          | worker sweeps for orphans)        |
 | ``{ns}:actions``               | stream  | scheduler       | ``ACTIONS_MAXLEN`` entries        |
+| ``{ns}:plans``                 | stream  | scheduler       | ``PLANS_MAXLEN`` entries: each    |
+|                                |         |                 | tick's plan per lane              |
 | ``{ns}:beat:*``                | several | scheduler       | celery-redbeat's schedule and its |
 |                                |         |                 | lock (one beat across replicas)   |
 | ``{ns}:health:{worker}``       | hash    | scheduler       | ``HEALTH_STRIKES_TTL_S``          |
@@ -50,6 +52,7 @@ RATE_WINDOW_TTL_S = 120  # a one-minute rate window, kept past its minute for la
 ARRIVALS_TTL_S = 7200  # arrival counters the scheduler did not move (it was down) expire
 HEALTH_STRIKES_TTL_S = 600  # a worker's strikes are forgotten after quiet checks
 ACTIONS_MAXLEN = 10_000  # scheduler actions kept for `tidegate status`
+PLANS_MAXLEN = 10_000  # the scheduler's per-lane plans kept (a day of 10 s ticks, 1 lane)
 HOT_PREFIXES_KEPT = 50  # distinct system prompts remembered per lane for warm-ups
 PRIORITY_STEPS = tuple(range(10))  # kombu's sub-lists: name all ten, the default merges 0-2
 PRIORITY_SEP = "|"
@@ -148,6 +151,10 @@ def scheduler_lock(ns: str, name: str, period: int) -> str:
 
 def scheduler_actions(ns: str) -> str:
     return f"{ns}:actions"
+
+
+def scheduler_plans(ns: str) -> str:
+    return f"{ns}:plans"
 
 
 def beat_prefix(ns: str) -> str:

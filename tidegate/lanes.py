@@ -64,6 +64,11 @@ class Lane(BaseModel):
     ttft_p99_objective_ms: float = Field(2000.0, gt=0)
     min_workers: int = Field(1, ge=0)  # active workers the planner keeps at the least
     max_workers: int = Field(8, ge=1)  # and at the most
+    # Active workers the pre-warming planner keeps beyond its plan while a declared peak
+    # window is in force (from one lead time before it): a worker that dies in the peak
+    # then costs the lane no TTFT while the scheduler notices (its heartbeat's TTL) and
+    # activates a standby. Not in reactive scaling, which knows no declared window.
+    peak_spare_workers: int = Field(0, ge=0)
     peaks: list[PeakSpec] = Field(default_factory=list)
     # System prompts run through a worker's engine when it is activated, so the lane's
     # first real requests hit the prefix cache.

@@ -6,13 +6,15 @@ Invalid settings stop the process at start with a message naming the setting.
 from __future__ import annotations
 
 import functools
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tidegate import redisconn
+from tidegate.clock import REAL, Clock
 from tidegate.lanes import (
     DEFAULT_LANES_FILE,
     Lane,
@@ -118,6 +120,18 @@ class Settings(BaseSettings):
     reconcile_s: float = Field(2.0, gt=0)
     reconcile_grace_s: float = Field(5.0, gt=0)
     alloc_latency_threshold_ms: float = Field(200.0, gt=0)  # health: KV allocation latency
+    # Pre-warming (scheduler/autoscale.py): on, each lane is planned on the forecast
+    # (history and declared peaks) one lead time ahead, and capacity for the next 30
+    # minutes is asked for; off, reactive scaling only: planned on the mean arrivals of
+    # the last 5 complete minutes, nothing ahead of the traffic.
+    prewarm: bool = True
+    # A replay clock (tidegate/clock.py; bench/festival.py): the simulated moment the
+    # replay begins (unset: the real clock), the real Unix time at which the simulated
+    # clock reads it, and simulated seconds per real second. Read by the API's arrival
+    # counts and the scheduler's planning, and by sim engines for their modelled load.
+    replay_start: datetime | None = None
+    replay_wall_start: float = Field(0.0, ge=0)
+    replay_speedup: float = Field(1.0, gt=0)
 
     # Operations (README, "Operations"). Bind addresses: 127.0.0.1 keeps a process off the
     # network; a container or a cluster sets 0.0.0.0.
@@ -155,6 +169,21 @@ class Settings(BaseSettings):
             raise ValueError("must be a sqlite:// or postgresql:// URL")
         return v
 
+    @field_validator("replay_start")
+    @classmethod
+    def _replay_start_utc(cls, v: datetime | None) -> datetime | None:
+        return v.replace(tzinfo=UTC) if v is not None and v.tzinfo is None else v
+
+    @field_validator("replay_wall_start", "replay_speedup")
+    @classmethod
+    def _replay_needs_start(cls, v: float, info: ValidationInfo) -> float:
+        default = 0.0 if info.field_name == "replay_wall_start" else 1.0
+        if info.data.get("replay_start") is None and v != default:
+            raise ValueError("needs TIDEGATE_REPLAY_START (a replay clock)")
+        if info.field_name == "replay_wall_start" and info.data.get("replay_start") and v <= 0:
+            raise ValueError("a replay clock needs the real Unix time it starts at (> 0)")
+        return v
+
     @field_validator("lora_adapters")
     @classmethod
     def _lora_pairs(cls, v: str) -> str:
@@ -181,6 +210,13 @@ class Settings(BaseSettings):
     def tokenizer_path(self) -> Path:
         """Where the API reads its tokenizer: TIDEGATE_TOKENIZER, else the model's folder."""
         return Path(self.tokenizer) if self.tokenizer else self.model_path
+
+    @functools.cached_property
+    def clock(self) -> Clock:
+        """Planning time: the real clock, or the replay clock the replay_* settings give."""
+        if self.replay_start is None:
+            return REAL
+        return Clock(self.replay_start, self.replay_wall_start, self.replay_speedup)
 
     @functools.cached_property
     def lanes(self) -> dict[str, Lane]:

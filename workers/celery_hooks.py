@@ -89,7 +89,9 @@ def make_engine(lane: str, kind: str) -> Engine:
     if kind == "sim":
         from workers.sim_engine import SimEngine
 
-        return SimEngine(config, profile=settings.sim_profile)
+        # On a replay clock the profile's load and activation times play, compressed.
+        scale = settings.replay_speedup if settings.clock.replay else None
+        return SimEngine(config, profile=settings.sim_profile, startup_scale=scale)
     from workers.vllm_engine import VllmEngine
 
     return VllmEngine(config)

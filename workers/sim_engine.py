@@ -84,6 +84,11 @@ class SimProfile:
     decode_ms_per_1k_kv_tokens: float = 0.0  # attention reading the decoders' KV cache
     max_batched_tokens: int = 0  # tokens one step computes (decodes, prefill); 0: no limit
     kv_capacity_tokens: int = 1_000_000  # with 16-bit entries; an FP8 KV cache holds twice
+    # A fresh worker's engine load and warm-up, and a standby worker's activation (warm the
+    # lane's prefixes, add_consumer): played only on a replay clock, compressed by its
+    # speed-up (`SimEngine(startup_scale=...)`); elsewhere a sim engine starts at once.
+    cold_start_s: float = 0.0
+    activation_s: float = 0.0
 
     def step_s(self, decoding: int, kv_tokens: int, prefill_tokens: int) -> float:
         """Seconds of one step that decodes `decoding` sequences holding `kv_tokens`
@@ -348,9 +353,13 @@ class SimEngine:
     def __init__(self, config: EngineConfig, profile: str | SimProfile = "instant",
                  vocab: Vocab | None = None,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 startup_scale: float | None = None) -> None:
+        """startup_scale: play the profile's cold start and activation times divided by
+        this (a replay clock's speed-up); None: start and warm at once."""
         check_kv_policy(config.kv_policy)
         self.config = config
+        self._startup_scale = startup_scale
         self.profile = profile if isinstance(profile, SimProfile) else load_profile(profile)
         self._vocab = vocab  # loaded by start() unless given (tests share one)
         self._sleep, self._clock = sleep, clock  # a fake pair makes the timing testable
@@ -378,6 +387,9 @@ class SimEngine:
     async def start(self) -> None:
         if self._vocab is None:
             self._vocab = await asyncio.to_thread(Vocab.load, self.config.model)
+        # The start's warm-up (workers/host.py) plays the activation time: the two add up
+        # to the profile's cold start.
+        await self._startup(self.profile.cold_start_s - self.profile.activation_s)
         self._step_end = self._clock()
         self._task = asyncio.create_task(self._run(), name="sim-engine")
         self._task.add_done_callback(self._on_loop_end)
@@ -560,7 +572,12 @@ class SimEngine:
     # --- the rest of the protocol --------------------------------------------------
 
     async def warm(self, prompts: list[str]) -> None:
+        await self._startup(self.profile.activation_s)
         await warm_prompts(self, prompts)
+
+    async def _startup(self, modelled_s: float) -> None:
+        if self._startup_scale is not None and modelled_s > 0:
+            await self._sleep(modelled_s / self._startup_scale)
 
     async def reset_prefix_cache(self) -> bool:
         return self._kv.reset()
