@@ -19,7 +19,8 @@ def fleet_report(fleet: Iterable[Heartbeat], lanes: Mapping[str, Lane]) -> dict[
     """{"ready", "workers": {state: count}, "lanes": {lane: {"ready", "runs_on"?,
     state: {pool: [names]}}}}. A lane is ready when a worker serving it is active, or
     when it needs none (`min_workers = 0`); the fleet is ready when every lane is. A lane
-    that runs on another's workers (`runs_on`) reports that lane's workers."""
+    that runs on another's workers (`runs_on`) reports that lane's workers, and any worker
+    started on the lane itself (the demo starts one per lane)."""
     workers = list(fleet)
     report = {name: _lane_report(lane, lanes, workers) for name, lane in sorted(lanes.items())}
     counts = {state.value: sum(hb.state == state for hb in workers) for state in WorkerState}
@@ -31,7 +32,7 @@ def _lane_report(lane: Lane, lanes: Mapping[str, Lane], fleet: list[Heartbeat]) 
     host = lanes.get(lane.runs_on, lane) if lane.runs_on else lane
     by_state: dict[str, dict[str, list[str]]] = {state.value: {} for state in WorkerState}
     for hb in fleet:
-        if host.name in hb.lanes:
+        if host.name in hb.lanes or lane.name in hb.lanes:
             by_state[hb.state.value].setdefault(hb.pool, []).append(hb.name)
     for pools in by_state.values():
         for names in pools.values():

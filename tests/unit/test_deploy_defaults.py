@@ -86,3 +86,16 @@ def test_the_fleet_is_ready_when_every_lane_that_needs_a_worker_has_an_active_on
     ready = fleet_report([*fleet, beat("f2", "finance", WorkerState.ACTIVE, pool="trtllm")],
                          lanes)
     assert ready["ready"] is True and active_workers(ready) == {"c1", "f2"}
+
+
+def test_a_worker_started_on_a_runs_on_lane_is_in_the_fleet(tmp_path: Path) -> None:
+    """`tidegate worker --lane batch` heartbeats lane `batch` only: it shows under its lane
+    and among the active workers (the stack launcher waits for it there)."""
+    lanes_file = tmp_path / "lanes.toml"
+    lanes_file.write_text('[lanes.chat]\nqueue = "chat"\n'
+                          '[lanes.batch]\nqueue = "chat"\nruns_on = "chat"\n')
+    report = fleet_report([beat("c1", "chat", WorkerState.ACTIVE),
+                           beat("b1", "batch", WorkerState.ACTIVE)], load_lanes(lanes_file))
+    assert report["lanes"]["batch"]["active"] == {"vllm": ["b1", "c1"]}
+    assert report["lanes"]["chat"]["active"] == {"vllm": ["c1"]}
+    assert active_workers(report) == {"b1", "c1"}
