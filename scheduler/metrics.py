@@ -26,7 +26,7 @@ from prometheus_client.registry import Collector
 
 from store import Store
 from store.webhooks import Webhooks
-from tidegate import keys
+from tasks.app import queue_lengths_by_step
 from tidegate.fleet import read_fleet
 from tidegate.lanes import PRIORITY_MAX, Lane, pool_queue
 from tidegate.records import ACTIVE_STATUSES, WorkerState
@@ -69,17 +69,11 @@ class SchedulerCollector(Collector):
                                   "pool queues, by public priority (9 the most urgent)",
                                   labels=["lane", "priority"])
         lanes = self.queue_owners()
-        pipe = self.client.pipeline(transaction=False)
+        by_step = queue_lengths_by_step(
+            self.client, [pool_queue(lane, pool) for lane in lanes for pool in lane.pools])
         for lane in lanes:
-            for pool in lane.pools:
-                for sub in keys.queue_sublists(pool_queue(lane, pool)):
-                    pipe.llen(sub)
-        lengths = iter(pipe.execute())
-        for lane in lanes:
-            depth = [0] * len(keys.PRIORITY_STEPS)
-            for _ in lane.pools:
-                for step in keys.PRIORITY_STEPS:
-                    depth[step] += int(next(lengths))
+            depth = [sum(steps) for steps in zip(*(by_step[pool_queue(lane, pool)]
+                                                   for pool in lane.pools), strict=True)]
             for step, waiting in enumerate(depth):  # Redis step 0 is public priority 9
                 gauge.add_metric([lane.name, str(PRIORITY_MAX - step)], waiting)
         return gauge

@@ -103,13 +103,19 @@ def _quiet_shutdown(sender: Any = None, **_: Any) -> None:
 
 def queue_lengths(client: Any, queues: list[str]) -> dict[str, int]:
     """Messages waiting per queue, summed over its ten priority sub-lists."""
+    return {q: sum(steps) for q, steps in queue_lengths_by_step(client, queues).items()}
+
+
+def queue_lengths_by_step(client: Any, queues: list[str]) -> dict[str, list[int]]:
+    """Messages waiting per queue and Redis priority step (index 0 is served first), in one
+    pipeline."""
     pipe = client.pipeline(transaction=False)
     for queue in queues:
         for sublist in keys.queue_sublists(queue):
             pipe.llen(sublist)
-    counts = pipe.execute()
+    counts = [int(n) for n in pipe.execute()]
     n = len(keys.PRIORITY_STEPS)
-    return {q: int(sum(counts[i * n:(i + 1) * n])) for i, q in enumerate(queues)}
+    return {q: counts[i * n:(i + 1) * n] for i, q in enumerate(queues)}
 
 
 def send_generate(app: Celery, payload: GeneratePayload, queue: str, priority: int) -> None:
