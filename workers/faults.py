@@ -77,6 +77,11 @@ class TokenHold:
             self._after = 0
         self._released.set()
 
+    @property
+    def armed(self) -> bool:
+        """A job will be held: jobs starting now count their tokens on their task thread."""
+        return self._after > 0
+
     def check(self, job_id: str, tokens: int) -> None:
         """Called by the task thread after each token event it published."""
         if not self._after or tokens < self._after:

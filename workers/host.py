@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from workers.engine import Delta, Engine, EngineRequest
 
@@ -35,6 +35,28 @@ class DeadlineExceeded(Exception):
     """The job ran past its deadline: the engine request was aborted."""
 
 
+class Sink(Protocol):
+    """Where a running request's output goes, called on the engine's loop thread: it must
+    not block (workers/streamer.py, or a queue for `run`)."""
+
+    def put(self, delta: Delta) -> None: ...
+
+    def close(self, end: BaseException | None) -> None: ...
+
+
+class _QueueSink:
+    def __init__(self, out: queue.Queue[Any]) -> None:
+        self.out = out
+
+    def put(self, delta: Delta) -> None:
+        self.out.put(delta)
+
+    def close(self, end: BaseException | None) -> None:
+        if end is not None:
+            self.out.put(end)
+        self.out.put(_END)
+
+
 class EngineHost:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -44,7 +66,7 @@ class EngineHost:
         self._cancelled: OrderedDict[str, None] = OrderedDict()
 
     def _run_loop(self) -> None:
-        _name_os_thread(ENGINE_THREAD)
+        name_os_thread(ENGINE_THREAD)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -75,7 +97,7 @@ class EngineHost:
     def run(self, request: EngineRequest, timeout_s: float | None = None) -> Iterator[Delta]:
         """Deltas of one request, in order. Raises Cancelled or DeadlineExceeded."""
         out: queue.Queue[Any] = queue.Queue()
-        self._call(self._pump(request, out, timeout_s))
+        self.start_request(request, _QueueSink(out), timeout_s)
         while True:
             items = _waiting(out)
             deltas = [item for item in items if isinstance(item, Delta)]
@@ -87,32 +109,39 @@ class EngineHost:
                     raise end
                 return
 
-    async def _pump(self, request: EngineRequest, out: queue.Queue[Any],
-                    timeout_s: float | None) -> None:
+    def start_request(self, request: EngineRequest, sink: Sink,
+                      timeout_s: float | None = None) -> None:
+        """Run a request; its deltas go to `sink.put` on the loop thread as the engine makes
+        them, and its end to `sink.close`: None, or the exception that ended it
+        (Cancelled, DeadlineExceeded, the engine's)."""
+        self._call(self._pump(request, sink, timeout_s))
+
+    async def _pump(self, request: EngineRequest, sink: Sink, timeout_s: float | None) -> None:
         rid = request.request_id
         task = asyncio.current_task()
         assert task is not None
         self._tasks[rid] = task
+        end: BaseException | None = None
         try:
             if rid in self._cancelled:
                 raise asyncio.CancelledError
             async with asyncio.timeout(timeout_s):
                 async for delta in self.engine.generate(request):
-                    out.put(delta)
+                    sink.put(delta)
         except asyncio.CancelledError:
             await self.engine.abort(rid)
-            out.put(Cancelled(rid))
+            end = Cancelled(rid)
         except TimeoutError:
             await self.engine.abort(rid)
-            out.put(DeadlineExceeded(rid))
+            end = DeadlineExceeded(rid)
         except Exception as exc:  # handed to the task thread, which reports it on the job
-            out.put(exc)
+            end = exc
         finally:
             # An abandoned attempt can end after the same job's next attempt started here
             # (a requeued job): remove only this run's own entry.
             if self._tasks.get(rid) is task:
                 del self._tasks[rid]
-            out.put(_END)
+            sink.close(end)
 
     def cancel(self, request_id: str) -> None:
         """Abort a request, whether it is running now or starts later on this worker."""
@@ -167,7 +196,7 @@ def merge(deltas: list[Delta]) -> Delta:
                                      if d.cached_tokens is not None), None))
 
 
-def _name_os_thread(name: str) -> None:
+def name_os_thread(name: str) -> None:
     """The calling thread's OS name (Python before 3.14 leaves every thread with the
     process's); Linux only, and nothing breaks without it."""
     with contextlib.suppress(OSError):

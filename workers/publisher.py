@@ -82,20 +82,33 @@ class EventPublisher:
     def _append_one(self, event: Event, lease: Lease, mode: str) -> int | None:
         """The script's answer (1, or -1: the stream is gone); None for a seq appended
         before; LeaseLost when the lease is another attempt's."""
-        fields = event.stream_fields()
-        args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
-                keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0,
-                lease.ttl_s, mode, repr(time.time())]
+        script_keys, args = self.append_call(event, lease, mode)
         try:
-            answer = self._append(keys=[lease.key, keys.job_events(self.ns, event.job_id)],
-                                  args=args)
+            answer = self._append(keys=script_keys, args=args)
         except redis.ResponseError as exc:
-            if "equal or smaller" in str(exc):
+            if is_duplicate(exc):
                 return None
             raise
         if answer == 0:
             raise LeaseLost(event.job_id)
         return int(answer)
+
+    @property
+    def append_sha(self) -> str:
+        return str(self._append.sha)
+
+    def load_append(self) -> None:
+        """Load the append script into Redis (a restarted Redis has lost it): for callers
+        that send it by its sha in a pipeline (workers/streamer.py)."""
+        self.r.script_load(APPEND)
+
+    def append_call(self, event: Event, lease: Lease, mode: str) -> tuple[list[str], list[Any]]:
+        """The append script's keys and arguments for one event."""
+        fields = event.stream_fields()
+        args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
+                keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0,
+                lease.ttl_s, mode, repr(time.time())]
+        return [lease.key, keys.job_events(self.ns, event.job_id)], args
 
     def state(self, job_id: str) -> StreamState:
         entries: Any = self.r.xrange(keys.job_events(self.ns, job_id))
@@ -108,3 +121,9 @@ class EventPublisher:
             terminal=bool(events) and events[-1].terminal,
             events=tuple(events),
         )
+
+
+def is_duplicate(exc: BaseException) -> bool:
+    """Redis refused an append because its seq is already in the stream (a retry after a
+    lost reply): the event is there."""
+    return isinstance(exc, redis.ResponseError) and "equal or smaller" in str(exc)

@@ -32,6 +32,7 @@ from tasks.payloads import GeneratePayload
 from tidegate import keys, logs, tracing
 from tidegate.events import Event
 from tidegate.records import JobStatus
+from workers import streamer
 from workers.engine import Delta, EngineDead, EngineError, EngineRequest
 from workers.faults import TokenHold
 from workers.host import Cancelled, DeadlineExceeded, EngineHost
@@ -39,6 +40,7 @@ from workers.lease import Lease, LeaseLost
 from workers.metrics import JobMetrics
 from workers.publisher import EventPublisher, StreamState
 from workers.retry import TRANSIENT, Retrier
+from workers.streamer import Feed, Streamer
 
 log = logging.getLogger("tidegate.worker")
 
@@ -59,6 +61,9 @@ class WorkerContext:
     lanes: list[str] = field(default_factory=list)
     hold: TokenHold | None = None  # fault injection (workers/faults.py): unarmed in production
     metrics: JobMetrics | None = None  # Prometheus (workers/metrics.py); None: not counted
+    # Publishes every job's token events in one round trip per engine step; None: each
+    # task thread publishes its own job's (workers/streamer.py).
+    streamer: Streamer | None = None
     mean_job_ms: float | None = None  # moving average of a job's run time, for the router
     leases: set[Lease] = field(default_factory=set)  # held now; the heartbeat renews them
     _leases_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -240,15 +245,15 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
     if ctx.metrics is not None:
         ctx.metrics.prefilled(payload.lane, payload.prompt_tokens)
     started = time.monotonic()
-    finish_reason = "length"
-    watch = _CancelWatch(ctx, payload.job_id)
     try:
         with tracing.span("engine.generate", {"engine": ctx.host.engine.kind,
                                               "resumed_tokens": len(state.token_ids)}) as span:
-            for delta in ctx.host.run(request, timeout_s=timeout_s):
-                _on_delta(ctx, payload.job_id, progress, delta)
-                finish_reason = delta.finish_reason or finish_reason
-                watch.check()
+            if ctx.streamer is not None and not (ctx.hold is not None and ctx.hold.armed):
+                finish_reason = _stream_batched(ctx, payload.job_id, progress, request,
+                                                timeout_s)
+            else:  # a hold armed (workers/faults.py) counts each token on this thread
+                finish_reason = _stream_each(ctx, payload.job_id, progress, request,
+                                             timeout_s)
             span.set_attribute("tidegate.completion_tokens", progress.emitted_here)
     except Cancelled:
         return _end_cancelled(ctx, payload, progress)
@@ -259,6 +264,58 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: _Progress,
         return "error"
     ctx.record_job_ms((time.monotonic() - started) * 1000)
     return _end_done(ctx, payload, progress, finish_reason)
+
+
+def _stream_each(ctx: WorkerContext, job_id: str, progress: _Progress,
+                 request: EngineRequest, timeout_s: float | None) -> str:
+    """The job's events published from this thread, one round trip each; its finish
+    reason."""
+    finish_reason = "length"
+    watch = _CancelWatch(ctx, job_id)
+    for delta in ctx.host.run(request, timeout_s=timeout_s):
+        _on_delta(ctx, job_id, progress, delta)
+        finish_reason = delta.finish_reason or finish_reason
+        watch.check()
+    return finish_reason
+
+
+def _stream_batched(ctx: WorkerContext, job_id: str, progress: _Progress,
+                    request: EngineRequest, timeout_s: float | None) -> str:
+    """The job's token events published by the worker's streamer (workers/streamer.py),
+    with every other job's of the same engine step; this thread writes the first token
+    to the store, and takes over what the streamer gives back. The finish reason."""
+    assert ctx.streamer is not None
+    feed = ctx.streamer.open(job_id, progress, keys.job_cancel(ctx.namespace, job_id))
+    try:
+        ctx.host.start_request(request, feed, timeout_s)
+        return _follow(ctx, job_id, progress, feed)
+    finally:
+        ctx.streamer.detach(feed)
+
+
+def _follow(ctx: WorkerContext, job_id: str, progress: _Progress, feed: Feed) -> str:
+    finish_reason = "length"
+    watch: _CancelWatch | None = None  # once the streamer gave the job back
+    while True:
+        kind, value = feed.inbox.get()
+        if kind == streamer.FIRST:
+            if ctx.retry(ctx.store.mark_first_token, job_id, value, progress.cached_tokens,
+                         progress.started_at):
+                progress.first_token_at = value
+        elif kind == streamer.END:
+            if value is not None:
+                raise value
+            return finish_reason if watch is not None else feed.finish_reason
+        elif kind == streamer.CANCELLED:
+            ctx.host.cancel(job_id)
+            raise Cancelled(job_id)
+        else:  # SLOW (the deltas the streamer did not publish), then each DELTA
+            watch = watch or _CancelWatch(ctx, job_id)
+            finish_reason = feed.finish_reason if kind == streamer.SLOW else finish_reason
+            for delta in (value if kind == streamer.SLOW else [value]):
+                _on_delta(ctx, job_id, progress, delta)
+                finish_reason = delta.finish_reason or finish_reason
+            watch.check()
 
 
 class _CancelWatch:

@@ -45,6 +45,7 @@ from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
 from workers.retry import Retrier
 from workers.runner import ENGINE_DEAD, WorkerContext, run_job
+from workers.streamer import Streamer
 
 log = logging.getLogger("tidegate.worker")
 
@@ -100,12 +101,15 @@ class Worker:
         publisher = EventPublisher(self.redis, s.namespace, s.stream_maxlen, s.stream_ttl_s)
         store = Store(s.db_url)
         self.store_fault.install(store)
+        streamer = Streamer(self.redis, publisher)
         self.ctx = WorkerContext(name=self.name, namespace=s.namespace, store=store,
                                  redis=self.redis, publisher=publisher, host=host,
                                  lease_ttl_s=keys.lease_ttl_s(s.heartbeat_s),
                                  max_attempts=s.max_attempts, retry=Retrier(s.io_retry_s),
                                  lanes=list(hosted_lanes(s.lanes, self.lane)), hold=self.hold,
-                                 metrics=process_metrics().bind(self.name, self.pool))
+                                 metrics=process_metrics().bind(self.name, self.pool),
+                                 streamer=streamer)
+        streamer.start()
         CancelListener(self.redis, s.namespace, host).start()
 
     @property
@@ -118,6 +122,8 @@ class Worker:
         self.stopped = True  # the heartbeat thread writes no record after the one removed
         if self.ctx is not None:
             self.ctx.host.stop()
+            if self.ctx.streamer is not None:
+                self.ctx.streamer.stop()
         self.forget()
 
     def forget(self) -> None:

@@ -33,7 +33,7 @@ def test_the_engine_threads_os_name_is_what_the_bench_looks_for() -> None:
     named, stop = threading.Event(), threading.Event()
 
     def engine_like() -> None:
-        host._name_os_thread(ENGINE_THREAD)
+        host.name_os_thread(ENGINE_THREAD)
         named.set()
         stop.wait(5)
 

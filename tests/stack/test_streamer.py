@@ -1,0 +1,152 @@
+"""The worker's streamer (workers/streamer.py) on a redis-server of the test's own: many
+jobs' token events written together, and every case off that path handed back to the
+job's task thread with the deltas it did not publish, in order."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tidegate import keys
+from tidegate.events import Event
+from tidegate_tools.procs import Proc, free_port, start_redis
+from workers.engine import Delta
+from workers.host import Cancelled
+from workers.lease import Lease
+from workers.publisher import EventPublisher, StreamState
+from workers.runner import _Progress
+from workers.streamer import CANCELLED, DELTA, END, FIRST, SLOW, Feed, Streamer
+
+NS = "tgstreamer"
+WAIT_S = 10.0
+
+
+@pytest.fixture()
+def client(tmp_root: Path) -> Iterator[redis.Redis]:
+    port = free_port()
+    proc: Proc = start_redis(port, tmp_root / "logs")
+    try:
+        yield redis.Redis(port=port)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture()
+def streamer(client: redis.Redis) -> Iterator[Streamer]:
+    publisher = EventPublisher(client, NS, maxlen=10_000, ttl_s=60)
+    publisher.load_append()
+    s = Streamer(client, publisher, cancel_check_s=0.05)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def open_job(client: redis.Redis, streamer: Streamer, job_id: str) -> Feed:
+    """A job whose `started` event is out (seq 0), as the task thread leaves it."""
+    lease = Lease(client, keys.job_lease(NS, job_id), "worker-a", ttl_s=30)
+    assert lease.take()
+    started = Event(job_id=job_id, seq=0, kind="started")
+    assert streamer.publisher.publish(started, lease)
+    progress = _Progress.of(lease, StreamState(1, "", (), False, (started,)))
+    return streamer.open(job_id, progress, keys.job_cancel(NS, job_id))
+
+
+def token(i: int, finished: bool = False) -> Delta:
+    return Delta(text=f"t{i} ", token_ids=(i,), finished=finished,
+                 finish_reason="length" if finished else None)
+
+
+def messages(feed: Feed) -> Iterator[tuple[str, object]]:
+    while True:
+        kind, value = feed.inbox.get(timeout=WAIT_S)
+        yield kind, value
+        if kind in (END, CANCELLED):
+            return
+
+
+def stream_of(client: redis.Redis, job_id: str) -> list[Event]:
+    entries: Any = client.xrange(keys.job_events(NS, job_id))
+    return [Event.from_json(fields[b"e"]) for _, fields in entries]
+
+
+def test_many_jobs_stream_every_token_in_order_and_hear_their_first_and_end(
+        client: redis.Redis, streamer: Streamer) -> None:
+    feeds = [open_job(client, streamer, f"job-{n}") for n in range(20)]
+
+    def engine() -> None:  # one engine step puts a delta for every job, as a batch does
+        for step in range(30):
+            for feed in feeds:
+                feed.put(token(step, finished=step == 29))
+        for feed in feeds:
+            feed.close(None)
+
+    threading.Thread(target=engine).start()
+    for feed in feeds:
+        kinds = [kind for kind, _ in messages(feed)]
+        assert kinds == [FIRST, END]
+        events = stream_of(client, feed.job_id)
+        assert [e.seq for e in events] == list(range(len(events)))
+        assert "".join(e.text for e in events) == "".join(f"t{i} " for i in range(30))
+        assert feed.progress.token_ids == list(range(30))
+        assert feed.progress.seq == len(events)
+        assert feed.finish_reason == "length"
+        streamer.detach(feed)
+
+
+def test_a_lost_lease_hands_the_job_back_with_its_unpublished_tokens(
+        client: redis.Redis, streamer: Streamer) -> None:
+    feed = open_job(client, streamer, "job-lost")
+    feed.put(token(0))
+    assert [kind for kind, _ in _until(feed, FIRST)] == [FIRST]
+    client.set(keys.job_lease(NS, "job-lost"), "another-attempt")
+    feed.put(token(1))
+    feed.put(token(2))
+    feed.close(None)
+    got = list(messages(feed))
+    assert got[0][0] == SLOW
+    assert {kind for kind, _ in got[1:-1]} <= {DELTA}  # what came after the hand-back
+    handed = [*got[0][1], *(delta for _, delta in got[1:-1])]  # type: ignore[misc]
+    assert "".join(d.text for d in handed) == "t1 t2 "
+    assert got[-1] == (END, None)
+    assert [e.seq for e in stream_of(client, "job-lost")] == [0, 1]
+
+
+def test_a_cancel_key_stops_the_job_and_publishes_nothing_more(
+        client: redis.Redis, streamer: Streamer) -> None:
+    feed = open_job(client, streamer, "job-cancel")
+    feed.put(token(0))
+    assert [kind for kind, _ in _until(feed, FIRST)] == [FIRST]
+    client.set(keys.job_cancel(NS, "job-cancel"), 1)
+    assert [kind for kind, _ in messages(feed)] == [CANCELLED]
+    feed.put(token(1))
+    feed.close(Cancelled("job-cancel"))
+    streamer.detach(feed)
+    assert [e.seq for e in stream_of(client, "job-cancel")] == [0, 1]
+
+
+def test_a_redis_that_forgot_the_script_hands_back_then_the_next_batch_runs(
+        client: redis.Redis, streamer: Streamer) -> None:
+    client.script_flush()
+    slow = open_job(client, streamer, "job-noscript")  # its started event loads it again
+    client.script_flush()
+    slow.put(token(0))
+    assert list(_until(slow, SLOW))[-1][0] == SLOW
+    fast = open_job(client, streamer, "job-after")
+    fast.put(token(0))
+    fast.close(None)
+    assert [kind for kind, _ in messages(fast)] == [FIRST, END]
+
+
+def _until(feed: Feed, kind: str) -> Iterator[tuple[str, object]]:
+    while True:
+        got = feed.inbox.get(timeout=WAIT_S)
+        yield got
+        if got[0] == kind:
+            return
