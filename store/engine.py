@@ -41,6 +41,12 @@ def make_engine(url: str | URL, **options: Any) -> Engine:
     # Long-lived workers outlive database restarts: a connection is checked before use,
     # unless it was in use a moment ago (SQLAlchemy's pool_pre_ping checks every
     # checkout: a round trip that was a tenth of a submit's and of a job's store time).
+    # SQLAlchemy's default pool keeps 5 connections (15 at most): a worker's task threads
+    # opened and closed a connection for each statement over 5, 1 in 10 of its CPU
+    # samples under load (bench/README.md). 12 kept, 16 at most: six processes (four
+    # workers, the API, the scheduler) stay under PostgreSQL's default max_connections.
+    options.setdefault("pool_size", 12)
+    options.setdefault("max_overflow", 4)
     engine = create_engine(parsed, **options)
     if not options.get("pool_pre_ping"):
         _ping_when_idle(engine, PING_WHEN_IDLE_S)

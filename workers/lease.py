@@ -45,6 +45,7 @@ class Lease:
         self.owner = f"{worker}/{uuid.uuid4().hex[:12]}"
         self._release: Any = client.register_script(RELEASE)
         self._renew: Any = client.register_script(RENEW)
+        self.released = False  # by this attempt, which is over
 
     def take(self) -> bool:
         return bool(self.r.set(self.key, self.owner, nx=True, ex=self.ttl_s))
@@ -65,3 +66,9 @@ class Lease:
     def release(self) -> None:
         """Deletes the lease if it is still this attempt's, never another's."""
         self._release(keys=[self.key], args=[self.owner])
+        self.released = True
+
+    def release_in(self, pipe: Any) -> None:
+        """release() queued on a pipeline: its script by sha (the caller falls back to
+        release() when Redis does not know it)."""
+        pipe.evalsha(self._release.sha, 1, self.key, self.owner)

@@ -79,6 +79,24 @@ class EventPublisher:
             appended = self._append_one(event, lease, "first")
         return appended is not None
 
+    def publish_last(self, event: Event, lease: Lease, history: Sequence[Event] = ()) -> bool:
+        """publish() of an attempt's last event, and its lease released, in one round trip
+        when all goes well; otherwise publish() then release(), each on its own."""
+        script_keys, args = self.append_call(event, lease, "next" if event.seq > 0 else "first")
+        pipe = self.r.pipeline(transaction=False)
+        pipe.evalsha(self.append_sha, 2, *script_keys, *args)
+        lease.release_in(pipe)
+        appended, released = pipe.execute(raise_on_error=False)
+        if appended == 1 and released in (0, 1):
+            lease.released = True
+            return True
+        # Off the usual way (the stream lost, a duplicate, the lease another's, a script
+        # Redis forgot): the release above may have run, and an append takes a lapsed
+        # lease back, so the append goes first and the release again after it.
+        published = self.publish(event, lease, history)
+        lease.release()
+        return published
+
     def _append_one(self, event: Event, lease: Lease, mode: str) -> int | None:
         """The script's answer (1, or -1: the stream is gone); None for a seq appended
         before; LeaseLost when the lease is another attempt's."""
@@ -111,7 +129,11 @@ class EventPublisher:
         return [lease.key, keys.job_events(self.ns, event.job_id)], args
 
     def state(self, job_id: str) -> StreamState:
-        entries: Any = self.r.xrange(keys.job_events(self.ns, job_id))
+        return self.state_of(self.r.xrange(keys.job_events(self.ns, job_id)))
+
+    @staticmethod
+    def state_of(entries: Any) -> StreamState:
+        """The state the job stream's entries (XRANGE) make."""
         events = [Event.from_json(fields[b"e"]) for _, fields in entries]
         tokens = [e for e in events if e.kind == "token"]
         return StreamState(

@@ -113,13 +113,14 @@ def run_job(ctx: WorkerContext, body: dict[str, Any]) -> str:
     lease = Lease(ctx.redis, keys.job_lease(ctx.namespace, payload.job_id), ctx.name,
                   ctx.lease_ttl_s)
     try:
-        if not _take(ctx, payload, lease):
+        taken, opening = _take(ctx, payload, lease)
+        if not taken:
             return "skipped-terminal"
     except TRANSIENT as exc:
         return _requeue(payload.job_id, exc)
     ctx._hold(lease, True)
     try:
-        return _run_leased(ctx, payload, lease)
+        return _run_leased(ctx, payload, lease, opening)
     except LeaseLost:
         log.warning("job %s: this attempt lost its lease to another", payload.job_id)
         ctx.host.abandon(payload.job_id)
@@ -139,11 +140,36 @@ def run_job(ctx: WorkerContext, body: dict[str, Any]) -> str:
         _release(ctx, lease)
 
 
-def _take(ctx: WorkerContext, payload: GeneratePayload, lease: Lease) -> bool:
-    if ctx.retry(lease.take):
-        return True
+@dataclass(frozen=True)
+class _Opening:
+    """What a job's usual start reads with its lease, in the same round trip."""
+
+    state: StreamState  # the job's stream so far
+    cancelled: bool  # its cancel key is set
+
+
+def _take(ctx: WorkerContext, payload: GeneratePayload,
+          lease: Lease) -> tuple[bool, _Opening | None]:
+    """(taken, what was read with it): the lease at once, else once the attempt holding
+    it ends (then nothing was read)."""
+    opening = ctx.retry(_take_reading, ctx, payload.job_id, lease)
+    if opening is not None:
+        return True, opening
     log.info("job %s: another attempt holds it; waiting for it to end", payload.job_id)
-    return ctx.retry(lease.take_when_free, lambda: _ended(ctx, payload))
+    return ctx.retry(lease.take_when_free, lambda: _ended(ctx, payload)), None
+
+
+def _take_reading(ctx: WorkerContext, job_id: str, lease: Lease) -> _Opening | None:
+    """The lease taken and, in the same round trip, the job's stream and cancel key read
+    (two round trips fewer a job); None when another attempt holds the lease."""
+    pipe = ctx.redis.pipeline(transaction=False)
+    pipe.set(lease.key, lease.owner, nx=True, ex=lease.ttl_s)
+    pipe.xrange(keys.job_events(ctx.namespace, job_id))
+    pipe.exists(keys.job_cancel(ctx.namespace, job_id))
+    taken, entries, cancelled = pipe.execute()
+    if not taken:
+        return None
+    return _Opening(ctx.publisher.state_of(entries), bool(cancelled))
 
 
 def _requeue(job_id: str, exc: BaseException) -> str:
@@ -153,6 +179,8 @@ def _requeue(job_id: str, exc: BaseException) -> str:
 
 
 def _release(ctx: WorkerContext, lease: Lease) -> None:
+    if lease.released:  # with the attempt's last event (EventPublisher.publish_last)
+        return
     try:
         ctx.retry(lease.release)
     except TRANSIENT:  # Redis is down: the lease expires on its own within its TTL
@@ -181,14 +209,15 @@ def _fail_unexpected(ctx: WorkerContext, job_id: str, lease: Lease) -> str:
     return "error"
 
 
-def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease) -> str:
+def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
+                opening: _Opening | None) -> str:
     job = ctx.retry(ctx.store.claim_job, payload.job_id, ctx.name, ctx.host.engine.kind)
     if job is None:
         log.info("job %s is already finished or unknown; skipping", payload.job_id)
         _complete_stream(ctx, payload, lease)
         return "skipped-terminal"
     logs.bind(attempt=job.attempts)  # the rest of this task's lines carry it
-    state = ctx.retry(ctx.publisher.state, payload.job_id)
+    state = opening.state if opening else ctx.retry(ctx.publisher.state, payload.job_id)
     if state.terminal:
         return "skipped-terminal"
     progress = _Progress.of(lease, state)
@@ -207,7 +236,8 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease) -> s
     if progress.seq == 0:
         _emit(ctx, payload.job_id, progress, "started",
               data={"worker": ctx.name, "engine": ctx.host.engine.kind, "attempt": job.attempts})
-    if ctx.retry(ctx.redis.exists, keys.job_cancel(ctx.namespace, payload.job_id)):
+    if (opening.cancelled if opening else
+            ctx.retry(ctx.redis.exists, keys.job_cancel(ctx.namespace, payload.job_id))):
         return _end_cancelled(ctx, payload, progress)
     return _generate(ctx, payload, progress, state)
 
@@ -386,8 +416,10 @@ def _emit(ctx: WorkerContext, job_id: str, progress: _Progress, kind: Any, *, te
     event = Event(job_id=job_id, seq=progress.seq, kind=kind, text=text,
                   token_ids=token_ids or [], data=data or {})
     # A retry after a lost reply finds its seq already appended: Redis refuses it, and
-    # publish() says so instead of raising (the stream id is the seq).
-    ctx.retry(ctx.publisher.publish, event, progress.lease, progress.history)
+    # publish() says so instead of raising (the stream id is the seq). The attempt's last
+    # event releases its lease in the same round trip.
+    publish = ctx.publisher.publish_last if event.terminal else ctx.publisher.publish
+    ctx.retry(publish, event, progress.lease, progress.history)
     progress.history.append(event)
     progress.seq += 1
 

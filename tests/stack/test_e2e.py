@@ -329,7 +329,8 @@ def test_status_shows_fp8_kv_cache_holding_about_twice_the_tokens(stack: Stack) 
     assert fp16 > 0 and 1.8 <= fp8 / fp16 <= 2.2
     out = subprocess.run([sys.executable, "-m", "tidegate_tools.cli", "status"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    table = out.split("\n\n")[0]  # the workers; the scheduler's actions may follow
+    rows = {line.split()[0]: line for line in table.splitlines()[1:]}
     assert str(fp8) in rows[stack.workers["chat"]] and " fp8 " in rows[stack.workers["chat"]]
     assert str(fp16) in rows[stack.workers["finance"]]
     assert " float16 " in rows[stack.workers["finance"]]
