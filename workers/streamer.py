@@ -27,17 +27,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import redis
 
 from tidegate.events import Event
 from workers.engine import Delta
 from workers.host import merge, name_os_thread
+from workers.progress import Progress
 from workers.publisher import EventPublisher, is_duplicate
-
-if TYPE_CHECKING:  # workers.runner imports this module
-    from workers.runner import _Progress
 
 log = logging.getLogger("tidegate.worker")
 
@@ -59,7 +57,7 @@ class Feed:
 
     streamer: Streamer
     job_id: str
-    progress: _Progress
+    progress: Progress
     cancel_key: str
     inbox: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
     pending: list[Delta] = field(default_factory=list)
@@ -115,7 +113,7 @@ class Streamer:
 
     # -- the task thread -------------------------------------------------------------
 
-    def open(self, job_id: str, progress: _Progress, cancel_key: str) -> Feed:
+    def open(self, job_id: str, progress: Progress, cancel_key: str) -> Feed:
         feed = Feed(self, job_id, progress, cancel_key)
         with self._lock:
             self._feeds[job_id] = feed

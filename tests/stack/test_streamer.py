@@ -18,8 +18,8 @@ from tidegate_tools.procs import Proc, free_port, start_redis
 from workers.engine import Delta
 from workers.host import Cancelled
 from workers.lease import Lease
+from workers.progress import Progress
 from workers.publisher import EventPublisher, StreamState
-from workers.runner import _Progress
 from workers.streamer import CANCELLED, DELTA, END, FIRST, SLOW, Feed, Streamer
 
 NS = "tgstreamer"
@@ -54,7 +54,7 @@ def open_job(client: redis.Redis, streamer: Streamer, job_id: str) -> Feed:
     assert lease.take()
     started = Event(job_id=job_id, seq=0, kind="started")
     assert streamer.publisher.publish(started, lease)
-    progress = _Progress.of(lease, StreamState(1, "", (), False, (started,)))
+    progress = Progress.of(lease, StreamState(1, "", (), False, (started,)))
     return streamer.open(job_id, progress, keys.job_cancel(NS, job_id))
 
 
