@@ -13,14 +13,19 @@ Checks come before effects, so a refused request changed nothing:
     persist  the job row, with its task's payload, and the session's turn, in one
              transaction: the job is durable from here (a message Redis loses is sent
              again from the row: scheduler/reconcile.py)
-    publish  the task to the broker; the one step taken back when it fails (503)
+    publish  the task to the broker, in one round trip with the lane's traffic sample;
+             the one step taken back when it fails (503)
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 import uuid
+import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,7 +39,7 @@ from api.schemas import JobAccepted, JobRequest
 from scheduler import router
 from store import JobRecord, SessionOwnerError, SessionRecord, Store
 from tasks import webhooks
-from tasks.app import queue_lengths, send_generate
+from tasks.app import push_generate, queue_lengths, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import hot, keys, tracing
 from tidegate.lanes import Lane, pool_queue, redis_priority
@@ -91,6 +96,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
     if created:  # else a concurrent request with the same key made the job first
         publish(deps, checked, job, payload, system)
         deps.in_flight.admitted(tenant.id)
+        _backlogs(deps).queued(job.queue)
     return _accepted(job, created)
 
 
@@ -176,8 +182,24 @@ def replay(deps: SubmitDeps, checked: Checked) -> JobRecord | None:
 
 
 def lane_backlog(deps: SubmitDeps, lane: Lane) -> dict[str, int]:
-    """Messages waiting in each of the lane's pool queues."""
-    return queue_lengths(deps.sync_redis, [pool_queue(lane, pool) for pool in lane.pools])
+    """Messages waiting in each of the lane's pool queues, read at most every
+    limits.BACKLOG_FRESH_S, plus what this process queued since (limits.Backlogs)."""
+    return _backlogs(deps).get([pool_queue(lane, pool) for pool in lane.pools])
+
+
+# One limits.Backlogs per Deps (one per API process), made on its first submit.
+_BACKLOGS: weakref.WeakKeyDictionary[Any, limits.Backlogs] = weakref.WeakKeyDictionary()
+_BACKLOGS_MADE = threading.Lock()
+
+
+def _backlogs(deps: SubmitDeps) -> limits.Backlogs:
+    backlogs = _BACKLOGS.get(deps)
+    if backlogs is None:
+        with _BACKLOGS_MADE:
+            # Reads through the client, not `deps`: a value holding its key would keep it.
+            made = limits.Backlogs(functools.partial(queue_lengths, deps.sync_redis))
+            backlogs = _BACKLOGS.setdefault(deps, made)
+    return backlogs
 
 
 def bound(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> None:
@@ -247,17 +269,26 @@ def _payload(deps: SubmitDeps, checked: Checked, job_id: str, system: str) -> Ge
 
 def publish(deps: SubmitDeps, checked: Checked, job: JobRecord, payload: GeneratePayload,
             system: str) -> None:
-    """Send the job's task, then count it (metrics, the lane's traffic sample)."""
-    _send(deps, job, payload)
+    """Send the job's task and the lane's traffic sample, then count it (metrics)."""
+    priority = redis_priority(job.priority)
+    # deps.sync_redis is redisconn.sync_client(settings.redis_url) (api/deps.py).
+    if writes_to(deps.celery, deps.settings.redis_url):
+        _send(deps, job, functools.partial(_push, deps, checked.lane, job.queue, priority,
+                                           payload, system))
+    else:  # the broker is not the API's Redis: Celery sends, the sample follows
+        _send(deps, job, functools.partial(send_generate, deps.celery, payload, job.queue,
+                                           priority))
+        pipe = deps.sync_redis.pipeline(transaction=False)
+        _sample_traffic(deps, pipe, checked.lane, system)
+        pipe.execute()
     log.info("job %s queued on %s at priority %d, %d prompt tokens", job.id, job.queue,
              job.priority, checked.prompt_tokens, extra={"job_id": job.id, "lane": job.lane})
     deps.metrics.admitted.labels(checked.req.lane).inc()
-    _sample_traffic(deps, checked.lane, system)
 
 
-def _send(deps: SubmitDeps, job: JobRecord, payload: GeneratePayload) -> None:
+def _send(deps: SubmitDeps, job: JobRecord, send: Callable[[], None]) -> None:
     try:
-        send_generate(deps.celery, payload, job.queue, redis_priority(job.priority))
+        send()
     except Exception as exc:
         # The one step taken back. The store is written before the broker so that a job
         # the broker holds always has its row, and an accepted job is durable; when the
@@ -270,19 +301,30 @@ def _send(deps: SubmitDeps, job: JobRecord, payload: GeneratePayload) -> None:
         raise unavailable("the job queue is unavailable; retry later") from None
 
 
-def _sample_traffic(deps: SubmitDeps, lane: Lane, system: str) -> None:
-    """Arrivals per lane per minute (the scheduler moves them into the store for its
-    forecast), and on a lane that shares its prefix cache, the system prompts by use
-    (warmed into activated workers; tidegate/hot.py)."""
-    ns = deps.settings.namespace
+def _push(deps: SubmitDeps, lane: Lane, queue: str, priority: int, payload: GeneratePayload,
+          system: str) -> None:
+    """The task's message (the LPUSH Celery's send_task would make: tasks/app.py) and the
+    lane's traffic sample, in one round trip. Only the push decides: a sample that failed
+    is a sample lost, not a reason to take back a job already queued."""
     pipe = deps.sync_redis.pipeline(transaction=False)
+    push_generate(pipe, deps.celery, payload, queue, priority)
+    _sample_traffic(deps, pipe, lane, system)
+    pushed = pipe.execute(raise_on_error=False)[0]
+    if isinstance(pushed, Exception):
+        raise pushed
+
+
+def _sample_traffic(deps: SubmitDeps, pipe: Any, lane: Lane, system: str) -> None:
+    """Adds to `pipe` the lane's arrivals per minute (the scheduler moves them into the
+    store for its forecast), and on a lane that shares its prefix cache, the system
+    prompts by use (warmed into activated workers; tidegate/hot.py)."""
+    ns = deps.settings.namespace
     # Counted by the planning clock's minute (a replay's simulated minute; tidegate/clock.py).
     key = keys.arrivals(ns, lane.name, deps.settings.clock.minute())
     pipe.incr(key)
     pipe.expire(key, keys.ARRIVALS_TTL_S)
     if system and lane.share_prefix_cache:
         hot.record(pipe, ns, lane.name, system, deps.settings.hot_prefix_ttl_s)
-    pipe.execute()
 
 
 def _system_prefix(deps: SubmitDeps, req: JobRequest) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -30,7 +30,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session, defer, sessionmaker
 
 if TYPE_CHECKING:
@@ -127,30 +127,106 @@ def _tpot_ms(
     return span / (tokens - 1)
 
 
-def _queued_job(job_id: str, tenant_id: int, lane: str, queue: str, priority: int,
+def _queued_row(job_id: str, tenant_id: int, lane: str, queue: str, priority: int,
                 session_id: str | None, sampling: dict[str, Any], prompt_tokens: int,
                 idempotency_key: str | None, lora: str | None,
                 route_reason: str | None, payload: dict[str, Any] | None,
-                callback_url: str | None = None, trace_id: str | None = None) -> Job:
-    return Job(
-        id=job_id,
-        tenant_id=tenant_id,
-        lane=lane,
-        queue=queue,
-        priority=priority,
-        session_id=session_id,
-        status=QUEUED,
-        idempotency_key=idempotency_key,
-        sampling=dict(sampling),
-        prompt_tokens=prompt_tokens,
-        enqueued_at=utcnow(),
-        attempts=0,
-        lora=lora,
-        route_reason=route_reason,
-        payload=dict(payload) if payload is not None else None,
-        callback_url=callback_url,
-        trace_id=trace_id,
-    )
+                callback_url: str | None = None, trace_id: str | None = None) -> dict[str, Any]:
+    """A queued job's INSERT parameters (a column left out takes its default). A dict, not
+    a Job: building the ORM object, then reading it back, cost 2% of a submit's CPU."""
+    row = {
+        "id": job_id, "tenant_id": tenant_id, "lane": lane, "queue": queue,
+        "priority": priority, "session_id": session_id, "status": QUEUED,
+        "idempotency_key": idempotency_key, "sampling": dict(sampling),
+        "prompt_tokens": prompt_tokens, "enqueued_at": utcnow(), "attempts": 0, "lora": lora,
+        "route_reason": route_reason, "payload": dict(payload) if payload is not None else None,
+        "callback_url": callback_url, "trace_id": trace_id,
+    }
+    return {name: value for name, value in row.items() if value is not None}
+
+
+class _GroupInsert:
+    """Job rows that concurrent threads insert at once (the API's submits, on its admission
+    threads), written in one transaction: a thread that finds no write under way writes
+    its row at once; rows that come while one is under way wait for it and go together in
+    the next, written by the first of them. A row is committed before `insert` returns.
+    On PostgreSQL a transaction of one row cost 0.57 ms of the API's CPU, one of 2 rows
+    0.37 ms a row, of 4 rows 0.23 ms a row (each a transaction and its round trips: begin,
+    the statement, commit). When a group fails on a row of its own (a constraint, bad
+    data), each of its rows is written alone, so the failure is that row's only."""
+
+    def __init__(self, write: Callable[[list[dict[str, Any]]], list[JobRecord]]) -> None:
+        self._write = write
+        self._lock = threading.Lock()
+        self._waiting: list[_Row] = []
+        self._writing = False  # a thread is writing a group
+
+    def insert(self, values: dict[str, Any]) -> JobRecord:
+        mine = _Row(values)
+        with self._lock:
+            self._waiting.append(mine)
+            leads, self._writing = not self._writing, True
+        if not leads:
+            mine.woken.wait()  # written by another thread, or this one's turn to write
+        if not mine.settled:
+            self._write_group()
+        return mine.outcome()
+
+    def _write_group(self) -> None:
+        with self._lock:
+            group, self._waiting = self._waiting, []
+        results: list[JobRecord | Exception] = [_INTERRUPTED] * len(group)
+        try:
+            results = self._results(group)
+        finally:
+            _settle(group, results)
+            with self._lock:
+                following = self._waiting[0] if self._waiting else None
+                self._writing = following is not None
+            for row in group:
+                row.woken.set()
+            if following is not None:
+                following.woken.set()  # the first row that came meanwhile writes the next
+
+    def _results(self, group: list[_Row]) -> list[JobRecord | Exception]:
+        try:
+            return list(self._write([row.values for row in group]))
+        except OperationalError as exc:  # the database, not a row: every row's error
+            return [exc] * len(group)
+        except Exception as exc:
+            if len(group) == 1:
+                return [exc]
+            return [self._write_alone(row.values) for row in group]
+
+    def _write_alone(self, values: dict[str, Any]) -> JobRecord | Exception:
+        try:
+            return self._write([values])[0]
+        except Exception as exc:  # noqa: BLE001 - handed to the row's own thread
+            return exc
+
+
+_INTERRUPTED = RuntimeError("the thread writing this job's group was interrupted")
+
+
+class _Row:
+    """One thread's row in a _GroupInsert."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.values = values
+        self.woken = threading.Event()
+        self.settled = False
+        self.result: JobRecord | Exception | None = None
+
+    def outcome(self) -> JobRecord:
+        if isinstance(self.result, Exception):
+            raise self.result
+        assert self.result is not None
+        return self.result
+
+
+def _settle(group: list[_Row], results: list[JobRecord | Exception]) -> None:
+    for row, result in zip(group, results, strict=True):
+        row.result, row.settled = result, True
 
 
 def new_api_key() -> str:
@@ -246,6 +322,7 @@ class Store:
         self._writer: AbstractContextManager[Any] = (
             threading.Lock() if sqlite_file else nullcontext()
         )
+        self._group_insert = _GroupInsert(self._insert_jobs)  # create_job's common case
 
     def close(self) -> None:
         self.engine.dispose()
@@ -372,30 +449,45 @@ class Store:
             existing = self.job_by_idempotency_key(tenant_id, idempotency_key)
             if existing is not None:
                 return existing, False, 0
-        row = _queued_job(job_id, tenant_id, lane, queue, priority, session_id, sampling,
+        row = _queued_row(job_id, tenant_id, lane, queue, priority, session_id, sampling,
                           prompt_tokens, idempotency_key, lora, route_reason, payload,
                           callback_url, trace_id)
+        if idempotency_key is None and session_id is None:  # nothing to race, no turn
+            return self._group_insert.insert(row), True, 0
         return self._insert_job(row, turn_of=session_id)
 
-    def _insert_job(self, row: Job, turn_of: str | None) -> tuple[JobRecord, bool, int]:
+    def _insert_job(self, values: dict[str, Any],
+                    turn_of: str | None) -> tuple[JobRecord, bool, int]:
         """Insert the row and, with turn_of, count that session's turn in the same
         transaction."""
-        values = {name: getattr(row, name) for name in (*JOB_FIELDS, "payload")
-                  if getattr(row, name) is not None}
         try:
             with self._write_conn() as conn:
-                turn = self._count_turn(conn, turn_of, row.tenant_id, None) if turn_of else 0
-                if turn and row.payload is not None:
-                    values["payload"] = {**row.payload, "turn": turn}
+                turn = self._count_turn(conn, turn_of, values["tenant_id"], None) if turn_of else 0
+                if turn and "payload" in values:
+                    values["payload"] = {**values["payload"], "turn": turn}
                 inserted = conn.execute(_INSERT_JOB, values).mappings().one()
                 return row_job_record(inserted), True, turn
         except IntegrityError:
             # A concurrent request with the same key won the insert: answer with its job.
-            key = row.idempotency_key
-            existing = self.job_by_idempotency_key(row.tenant_id, key) if key else None
+            key = values.get("idempotency_key")
+            existing = self.job_by_idempotency_key(values["tenant_id"], key) if key else None
             if existing is None:
                 raise
             return existing, False, 0
+
+    def _insert_jobs(self, rows: list[dict[str, Any]]) -> list[JobRecord]:
+        """Insert the rows in one transaction; their records, in order. Rows that set the
+        same columns go in one multi-row INSERT (SQLAlchemy's insertmanyvalues)."""
+        by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for values in rows:
+            by_columns.setdefault(tuple(values), []).append(values)
+        inserted: dict[str, JobRecord] = {}
+        with self._write_conn() as conn:
+            for same in by_columns.values():
+                params: Any = same if len(same) > 1 else same[0]
+                for got in conn.execute(_INSERT_JOB, params).mappings():
+                    inserted[got["id"]] = row_job_record(got)
+        return [inserted[values["id"]] for values in rows]
 
     def job_by_idempotency_key(self, tenant_id: int, idempotency_key: str) -> JobRecord | None:
         """The tenant's job submitted with this idempotency key, if any."""

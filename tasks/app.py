@@ -8,11 +8,17 @@ process holds its own settings object (the API and the scheduler take theirs at 
 
 from __future__ import annotations
 
+import base64
 import functools
+import os
+import uuid
+from bisect import bisect
 from typing import Any
 
 from celery import Celery, signals
+from celery.utils.nodenames import anon_nodename
 from kombu import Exchange, Queue
+from kombu.utils.json import dumps as kombu_dumps
 
 from tasks import broker  # noqa: F401 - registers the fixed Redis transports with kombu
 from tasks.payloads import GENERATE, GeneratePayload
@@ -133,6 +139,81 @@ def send_generate(app: Celery, payload: GeneratePayload, queue: str, priority: i
     )
     # No Celery `expires`: an expired message would be dropped without a trace and its
     # job row would stay `queued` forever. The worker ends late jobs `expired` instead.
+
+
+# -- the same message, written straight to Redis -------------------------------------
+#
+# send_task costs the API about a sixth of a submit's CPU (Celery's routing, kombu's
+# producer, its retry wrapper), and takes a Redis round trip of its own. The message it
+# publishes here is fixed: task protocol 2, JSON, to a direct queue, which kombu sends on
+# its anonymous exchange, straight onto the queue's list for the priority (no binding
+# lookup). `generate_message` builds that message, and `push_generate` adds its LPUSH to a
+# pipeline, so the API sends it in the round trip that counts the submit's traffic.
+# tests/unit/test_direct_publish.py holds it equal to what send_task publishes.
+
+NO_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+@functools.lru_cache(maxsize=8)
+def writes_to(app: Celery, redis_url: str) -> bool:
+    """Whether `app` publishes to the Redis that `redisconn.sync_client(redis_url)` reaches:
+    make_app builds its broker from that URL (redisconn.celery_broker), unless Celery's
+    CELERY_BROKER_URL / CELERY_BROKER_WRITE_URL override it, or a key prefix renames the
+    queues. Where it does not, the API publishes through send_task."""
+    options = app.conf.broker_transport_options or {}
+    return (app.conf.broker_write_url == redisconn.celery_broker(redis_url)[0]
+            and not options.get("global_keyprefix") and "body_encoding" not in options)
+
+
+def push_generate(pipe: Any, app: Celery, payload: GeneratePayload, queue: str,
+                  priority: int) -> None:
+    """Adds to a redis-py pipeline on the broker's Redis (see `writes_to`) the LPUSH that
+    send_generate's publish is."""
+    sublist, message = generate_message(app, payload, queue, priority)
+    pipe.lpush(sublist, message)
+
+
+def generate_message(app: Celery, payload: GeneratePayload, queue: str,
+                     priority: int) -> tuple[str, str]:
+    """The list kombu's Redis transport pushes send_generate's message onto, and the message
+    as it pushes it (kombu/transport/virtual/base.py `basic_publish`, redis.py `_put`), with
+    the headers and properties Celery's send_task gives it (celery/app/amqp.py
+    `as_task_v2`, `send_task_message`)."""
+    job_id, argsrepr = payload.job_id, task_repr(payload)
+    body = kombu_dumps([[payload.to_dict()], {}, NO_EMBED])
+    headers: dict[str, Any] = {
+        "lang": "py", "task": GENERATE, "id": job_id, "shadow": None, "eta": None,
+        "expires": None, "group": None, "group_index": None, "retries": 0,
+        "timelimit": [None, None], "root_id": job_id, "parent_id": None,
+        "argsrepr": argsrepr, "kwargsrepr": "{}", "origin": _origin(os.getpid()),
+        "ignore_result": None, "replaced_task_nesting": 0, "stamped_headers": None,
+        "stamps": {},
+    }
+    properties = {
+        "correlation_id": job_id, "reply_to": app.thread_oid,
+        # send_task hands its options on as message properties, these two among them.
+        "argsrepr": argsrepr, "kwargsrepr": "{}",
+        "priority": priority, "delivery_mode": 2,  # persistent: Celery's default
+        "delivery_info": {"exchange": "", "routing_key": queue},
+        "body_encoding": "base64", "delivery_tag": str(uuid.uuid4()),
+    }
+    message = {"body": base64.b64encode(body.encode()).decode(),
+               "content-encoding": "utf-8", "content-type": "application/json",
+               "headers": headers, "properties": properties}
+    return priority_sublist(queue, priority), kombu_dumps(message)
+
+
+def priority_sublist(queue: str, priority: int) -> str:
+    """kombu's list for a message of this Redis priority (`_q_for_pri`: clamped to 0-9,
+    then the highest of the app's priority steps not above it)."""
+    step = keys.PRIORITY_STEPS[bisect(keys.PRIORITY_STEPS, max(0, min(int(priority), 9))) - 1]
+    return f"{queue}{keys.PRIORITY_SEP}{step}" if step else queue
+
+
+@functools.lru_cache(maxsize=4)
+def _origin(pid: int) -> str:
+    """The `origin` header: Celery's name of this process (`gen<pid>@<host>`)."""
+    return anon_nodename()
 
 
 def task_repr(payload: GeneratePayload) -> str:
