@@ -2,20 +2,23 @@
 Celery workers hosting the simulated engine (workers/sim_engine.py, GPU token rates, no
 model), at several numbers of concurrent streams.
 
-Per level N (`--levels`), two phases on one running stack:
+Per level N (`--levels`), four phases on one running stack:
 
-admit   N submitters POST /v1/jobs as fast as the answers come (no SSE; 1-token jobs, so
-        the workers' share per job is its fixed cost). After a warm-up, a window counts
-        the 202s and reads the CPU time of the API process and of the worker processes
-        (/proc/<pid>/stat utime+stime), the engine's thread left out (its
-        /proc/<pid>/task/<tid>/comm is `tidegate-engine`, workers/host.py).
+alone   N submitters POST /v1/jobs as fast as the answers come (no SSE; 1-token jobs),
+        the Celery worker processes stopped (SIGSTOP, for less than a heartbeat's life):
+        the API admits on its own. After a warm-up, a window counts the 202s and reads
+        the API process's CPU time (/proc/<pid>/stat utime+stime).
+drain   the workers go on and run those jobs: their CPU time until none is left, per job,
+        the engine's thread left out (its /proc/<pid>/task/<tid>/comm is
+        `tidegate-engine`, workers/host.py).
+admit   the same submitters with the workers running the jobs as they come.
 stream  N clients each submit a job, read its SSE stream to the end and start the next.
         Jobs submitted inside the window after a warm-up are timed; when it ends the
         clients stop and the jobs still running are cancelled (DELETE).
         queue TTFT    = the client's TTFT (submit start -> first token event received)
                         - the worker's TTFT (the job row's `ttft_ms`, also in the done
                         event: started_at, when the worker claimed it, -> first_token_at,
-                        when the first delta reached the task thread; store/db.py)
+                        when its event was out; workers/streamer.py)
         delivery lag  = the client's receipt of an event - the worker's time.time() when
                         it wrote the event (the job stream entry's `t`, workers/publisher.py),
                         joined on the event's id after the job ended (XRANGE)
@@ -41,12 +44,13 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +92,10 @@ LEVELS = (64, 256, 1024, 2048)
 HEADLINE = 256  # the level the JSON's top-level figures come from
 TEMPERATURE = 0.8
 ADMIT_MAX_TOKENS = 1  # admit phase: the workers' fixed cost per job, not per token
+# Admitting alone, the workers are stopped: the whole phase stays well under a worker
+# heartbeat's life (11 s), or the router would see no worker.
+ALONE_WARM_S = 1.0
+ALONE_WINDOW_S = 6.0
 START_TIMEOUT_S = 180.0
 DRAIN_TIMEOUT_S = 240.0  # the admitted jobs, and the cancelled ones, get this long to end
 # Limits raised so that the bench is never refused (tidegate/settings.py); the figures
@@ -426,6 +434,45 @@ async def admit_phase(client: Client, meter: CpuMeter, n: int, cfg: Config) -> A
     return result
 
 
+@contextmanager
+def workers_paused(meter: CpuMeter) -> Iterator[None]:
+    """The Celery worker processes stopped (SIGSTOP) and continued on exit: while they
+    are stopped the API admits alone, and the jobs wait in their queue. Kept shorter
+    than a heartbeat's life (keys.heartbeat_ttl_s: 11 s at the default 2 s period), or
+    the API's router would see no worker and answer 503."""
+    for pid in meter.workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in meter.workers:
+            os.kill(pid, signal.SIGCONT)
+
+
+async def admit_alone_phase(client: Client, meter: CpuMeter, n: int,
+                            cfg: Config) -> AdmitResult:
+    """The admit phase with the workers stopped: the API's own rate and CPU per job, the
+    machine's 2 cores not shared with the workers running the jobs."""
+    alone = replace(cfg, warm_s=ALONE_WARM_S, window_s=min(cfg.window_s, ALONE_WINDOW_S))
+    with workers_paused(meter):
+        return await admit_phase(client, meter, n, alone)
+
+
+@dataclass
+class DrainResult:
+    jobs: int  # the admit-alone phase's jobs, all waiting when the workers went on
+    cpu: CpuDelta  # from the workers' restart until no job was left in flight
+
+
+def drain(bench: Bench, meter: CpuMeter, jobs: int) -> DrainResult:
+    """The workers run the jobs the API admitted alone: their CPU per job, on their own."""
+    first = meter.sample()
+    left = wait_idle(bench)
+    if left:
+        log(f"{left} jobs of the admit-alone phase still in flight after the drain")
+    return DrainResult(jobs - left, CpuDelta.between(first, meter.sample()))
+
+
 @dataclass
 class StreamResult:
     window: Window
@@ -517,13 +564,29 @@ def admit_figures(a: AdmitResult, finished_at: Sequence[float]) -> dict[str, Any
     assert cpu is not None
     admitted = sum(1 for t in a.accepted_at if w.holds(t))
     ended = sum(1 for t in finished_at if w.holds(t))
-    return {"admit_jobs_per_s": admitted / w.seconds, "admitted_in_window": admitted,
-            "api_cpu_ms_per_job": ratio(cpu.api_s * 1000, admitted),
+    return {"admit_jobs_per_s_with_workers": admitted / w.seconds,
+            "admitted_in_window": admitted,
+            "api_cpu_ms_per_job_with_workers": ratio(cpu.api_s * 1000, admitted),
             "api_cpu_share_admit": cpu.api_s / w.seconds,
-            "worker_cpu_ms_per_job": ratio(cpu.worker_s * 1000, ended),
+            "worker_cpu_ms_per_job_with_api": ratio(cpu.worker_s * 1000, ended),
             "jobs_ended_in_admit_window": ended,
             "admit_refused": dict(a.refused), "admit_machine_busy": cpu.machine_busy,
             "client_cpu_share_admit": cpu.client_s / w.seconds}
+
+
+def alone_figures(a: AdmitResult, d: DrainResult) -> dict[str, Any]:
+    """The API admitting with the workers stopped, then the workers draining its jobs."""
+    w = a.window
+    assert w.cpu is not None
+    admitted = sum(1 for t in a.accepted_at if w.holds(t))
+    return {"admit_jobs_per_s": admitted / w.seconds, "admitted_alone_in_window": admitted,
+            "api_cpu_ms_per_job": ratio(w.cpu.api_s * 1000, admitted),
+            "api_cpu_share_alone": w.cpu.api_s / w.seconds,
+            "client_cpu_share_alone": w.cpu.client_s / w.seconds,
+            "alone_machine_busy": w.cpu.machine_busy, "alone_refused": dict(a.refused),
+            "worker_cpu_ms_per_job": ratio(d.cpu.worker_s * 1000, d.jobs),
+            "drained_jobs": d.jobs, "drain_s": d.cpu.wall_s,
+            "drain_jobs_per_s": ratio(d.jobs, d.cpu.wall_s)}
 
 
 def stream_figures(s: StreamResult, published: Mapping[str, Mapping[int, tuple[str, float]]],
@@ -621,9 +684,13 @@ def wait_idle(bench: Bench, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
 
 
 async def run_phases(bench: Bench, meter: CpuMeter, n: int,
-                     cfg: Config) -> tuple[AdmitResult, StreamResult]:
+                     cfg: Config) -> tuple[AdmitResult, DrainResult, AdmitResult, StreamResult]:
     client = Client(bench.base, bench.key, cfg.lane)
     try:
+        alone = await admit_alone_phase(client, meter, n, cfg)
+        log(f"N={n}: admit alone: {sum(map(alone.window.holds, alone.accepted_at))} 202s in "
+            f"the window, refused {alone.refused or 'none'}; the workers drain them")
+        drained = await asyncio.to_thread(drain, bench, meter, len(alone.accepted_at))
         admit = await admit_phase(client, meter, n, cfg)
         log(f"N={n}: admit window: {sum(map(admit.window.holds, admit.accepted_at))} "
             f"202s, refused {admit.refused or 'none'}; draining")
@@ -631,7 +698,7 @@ async def run_phases(bench: Bench, meter: CpuMeter, n: int,
         if left:
             log(f"N={n}: {left} admitted jobs still in flight after {DRAIN_TIMEOUT_S:.0f} s")
         streams = await stream_phase(client, meter, n, cfg)
-        return admit, streams
+        return alone, drained, admit, streams
     finally:
         await client.close()
 
@@ -639,7 +706,7 @@ async def run_phases(bench: Bench, meter: CpuMeter, n: int,
 def measure_level(bench: Bench, meter: CpuMeter, n: int, cfg: Config) -> dict[str, Any]:
     neighbours_before = busy_neighbours()
     load = load_average()
-    admit, streams = asyncio.run(run_phases(bench, meter, n, cfg))
+    alone, drained, admit, streams = asyncio.run(run_phases(bench, meter, n, cfg))
     left = wait_idle(bench)
     done_t = published_times(bench.redis_url, admit.job_ids)
     finished = [at for events in done_t.values() for kind, at in events.values()
@@ -647,8 +714,9 @@ def measure_level(bench: Bench, meter: CpuMeter, n: int, cfg: Config) -> dict[st
     published = published_times(bench.redis_url, [t.job_id for t in streams.traces if t.job_id])
     timed = [t for t in streams.traces if streams.window.holds(t.submit_at)]
     read_worker_ttfts(bench.db_url, timed)
-    figures = {"concurrency": n, "load_before": load, **admit_figures(admit, finished),
-               **stream_figures(streams, published), "left_in_flight": left}
+    figures = {"concurrency": n, "load_before": load, **alone_figures(alone, drained),
+               **admit_figures(admit, finished), **stream_figures(streams, published),
+               "left_in_flight": left}
     figures["neighbours"] = "; ".join(sorted(set(neighbours_before) | set(busy_neighbours())))
     log(f"N={n}: admit {fmt(figures['admit_jobs_per_s'])} jobs/s, API "
         f"{fmt(figures['api_cpu_ms_per_job'], 2)} ms/job; queue TTFT p50/p99 "
@@ -664,9 +732,13 @@ def measure_level(bench: Bench, meter: CpuMeter, n: int, cfg: Config) -> dict[st
 
 Row = tuple[str, str | tuple[str, ...], int]  # label, figure key(s), digits
 ROWS: list[Row] = [
-    ("admitted jobs/s (202s)", "admit_jobs_per_s", 0),
-    ("API CPU per admitted job (ms)", "api_cpu_ms_per_job", 2),
-    ("worker CPU per 1-token job, outside engine (ms)", "worker_cpu_ms_per_job", 2),
+    ("admitted jobs/s (202s), workers stopped", "admit_jobs_per_s", 0),
+    ("API CPU per admitted job (ms), workers stopped", "api_cpu_ms_per_job", 2),
+    ("worker CPU per 1-token job, outside engine (ms), draining them",
+     "worker_cpu_ms_per_job", 2),
+    ("drain: jobs/s by the workers alone", "drain_jobs_per_s", 0),
+    ("admitted jobs/s (202s) / API CPU per job (ms), workers running",
+     ("admit_jobs_per_s_with_workers", "api_cpu_ms_per_job_with_workers"), 2),
     ("worker CPU per token, outside engine (us)", "worker_cpu_us_per_token", 1),
     ("engine thread CPU per token (us)", "engine_cpu_us_per_token", 1),
     ("API CPU per delivered token (us)", "api_cpu_us_per_token", 1),
@@ -720,8 +792,10 @@ def plot(path: Path, by_level: Mapping[int, Mapping[str, Any]]) -> None:
     matplotlib.use("Agg")  # no display here; set before pyplot is imported
     import matplotlib.pyplot as plt
 
-    panels = [("admitted jobs/s", ["admit_jobs_per_s"], "admit_jobs_per_s"),
-              ("API CPU per job (ms)", ["api_cpu_ms_per_job"], "api_cpu_ms_per_job"),
+    panels = [("admitted jobs/s", ["admit_jobs_per_s", "admit_jobs_per_s_with_workers"],
+               "admit_jobs_per_s"),
+              ("API CPU per job (ms)", ["api_cpu_ms_per_job", "api_cpu_ms_per_job_with_workers"],
+               "api_cpu_ms_per_job"),
               ("worker CPU per token, outside engine (us)", ["worker_cpu_us_per_token"],
                "worker_cpu_us_per_token"),
               ("queue TTFT (ms)", ["queue_ttft_p50_ms", "queue_ttft_p99_ms"], "queue_ttft_p99_ms"),
@@ -735,7 +809,7 @@ def plot(path: Path, by_level: Mapping[int, Mapping[str, Any]]) -> None:
             points = [(n, float(by_level[n][key])) for n in levels]
             points = [(n, v) for n, v in points if math.isfinite(v)]  # a missing figure: no dot
             ax.plot([n for n, _ in points], [v for _, v in points], marker="o",
-                    label=key.removesuffix("_ms").rsplit("_", 1)[-1] if len(series) > 1 else None)
+                    label=_series_label(key) if len(series) > 1 else None)
         if bar_key in BARS:
             ax.axhline(BARS[bar_key][0], color="grey", ls="--", lw=1, label="bar (issue 11)")
         ax.set(xscale="log", title=title, xlabel="concurrent streams",
@@ -752,6 +826,14 @@ def plot(path: Path, by_level: Mapping[int, Mapping[str, Any]]) -> None:
     plt.close(fig)
 
 
+def _series_label(key: str) -> str:
+    if key.endswith("_with_workers"):
+        return "workers running"
+    if key.startswith(("admit_", "api_cpu_")):
+        return "workers stopped"
+    return key.removesuffix("_ms").rsplit("_", 1)[-1]  # p50, p99
+
+
 def setup_lines(cfg: Config, bench_wall_s: float) -> dict[str, Any]:
     host = machine()
     return {"path": "client -> one `tidegate api` -> private redis-server -> Celery sim "
@@ -764,7 +846,9 @@ def setup_lines(cfg: Config, bench_wall_s: float) -> dict[str, Any]:
             "streamed job": f"short prompt, max_tokens {cfg.max_tokens}, temperature "
                             f"{TEMPERATURE} (the sim runs every job to max_tokens)",
             "admit-phase job": f"max_tokens {ADMIT_MAX_TOKENS}",
-            "warm-up / window per phase (s)": f"{cfg.warm_s:g} / {cfg.window_s:g}",
+            "warm-up / window per phase (s)": f"{cfg.warm_s:g} / {cfg.window_s:g} (admit "
+                                              f"with the workers stopped: {ALONE_WARM_S:g} / "
+                                              f"{min(cfg.window_s, ALONE_WINDOW_S):g})",
             "limits raised": ", ".join(f"{k}={v}" for k, v in UNCAPPED.items()),
             "client": "aiohttp, one asyncio loop in the bench process, no connection cap",
             "machine cores": host["cores"], "cpu": host["cpu"], "python": host["python"],
@@ -774,11 +858,11 @@ def setup_lines(cfg: Config, bench_wall_s: float) -> dict[str, Any]:
 NOTES = [
     "queue TTFT = client TTFT (submit start -> first token event received) - the worker's "
     "TTFT from the job row (`ttft_ms`, as in the done event: started_at, set when the worker "
-    "claims the job, -> first_token_at, when the first delta reached the Celery task thread). "
-    "The worker's TTFT therefore includes, besides the engine's queue and prefill, the "
-    "worker's own claim write, its stream read, the `started` event and the cancel check; "
-    "the queue TTFT holds the submit (HTTP, admission thread, store, broker), the broker "
-    "delivery to a task thread, the first-token store write and the token's way out.",
+    "claims the job, -> first_token_at, when the worker's streamer had written the first "
+    "token's event to Redis). The worker's TTFT therefore includes, besides the engine's "
+    "queue and prefill, the worker's own claim write, the `started` event and the first "
+    "token's write; the queue TTFT holds the submit (HTTP, admission thread, store, broker), "
+    "the broker delivery to a task thread and the token's way from Redis to the client.",
     "Stream phase: jobs submitted in the window are timed to their first token; the "
     "clients stop when the window ends and the jobs still running are cancelled, since at "
     "high N a job takes minutes on 2 cores. Delivery lag and tokens/s count the events "
@@ -788,13 +872,20 @@ NOTES = [
     "trip, the API's XREAD wake-up, SSE framing and the client's own event loop.",
     "worker CPU outside engine: utime+stime of the Celery worker processes (children of "
     "each `tidegate worker` supervisor) minus their `tidegate-engine` threads (the sim "
-    "engine's asyncio loop, which also runs the engine host's per-delta hand-off to the "
-    "task thread, and the threads it started, which inherit its OS name: its executor's, "
-    "the tokenizer's). Per token: divided by the token events the workers wrote in the "
-    "window.",
-    "Admit phase: N submitters, no SSE, 1-token jobs that the workers run at the same time "
-    "(the real path): the API competes for the 2 cores with the workers, Redis, the "
-    "database and the client.",
+    "engine's asyncio loop, which also hands each delta to the worker's streamer: an append "
+    "to a list under a lock; and the threads it started, which inherit its OS name: its "
+    "executor's, the tokenizer's). The streamer's thread (`tidegate-writer`), which writes "
+    "every job's events to Redis, counts as the worker's. Per token: divided by the token "
+    "events the workers wrote in the window, times the tokens per event the clients saw.",
+    "Admit phases: N submitters, no SSE, 1-token jobs. First with the worker processes "
+    "stopped (SIGSTOP, for less than a heartbeat's life, so the router still sees them): "
+    "the API admits on the real path (HTTP, admission, the job row, the broker publish, "
+    "the traffic counters), and only the client, Redis and the database share the cores "
+    "with it; `admitted jobs/s` and `API CPU per admitted job` are this phase's. The "
+    "workers then run those jobs with nothing else to do: `worker CPU per 1-token job` is "
+    "their CPU from their restart until no job is left, per job. Then again with the "
+    "workers running the jobs as they come (`workers running`): on 2 cores the workers' "
+    "share of each job then caps what the API can admit.",
     "The load client runs on the same 2 cores as everything it measures (its CPU share is in "
     "the table): figures are lower bounds of what the stack does on a machine of its own.",
 ]
