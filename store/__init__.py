@@ -3,7 +3,15 @@
 Imports nothing of the project; callers pass the database URL.
 """
 
-from store.db import MIGRATIONS_DIR, Store, alembic_config, hash_key, upgrade, utcnow
+from store.db import (
+    MIGRATIONS_DIR,
+    FirstToken,
+    Store,
+    alembic_config,
+    hash_key,
+    upgrade,
+    utcnow,
+)
 from store.engine import make_engine, normalize_url
 from store.models import (
     ACTIVE_STATUSES,
@@ -33,6 +41,7 @@ __all__ = [
     "CANCELLED",
     "DONE",
     "ERROR",
+    "FirstToken",
     "EXPIRED",
     "JOB_STATUSES",
     "MIGRATIONS_DIR",

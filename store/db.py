@@ -13,6 +13,7 @@ import secrets
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -115,6 +116,22 @@ def _ms(start: datetime | None, end: datetime | None) -> float | None:
     if start is None or end is None:
         return None
     return (end - start).total_seconds() * 1000.0
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """A job's first token, not yet in its row: written with the job's end (end_job)."""
+
+    at: datetime
+    started_at: datetime | None  # the row's, from the claim: the TTFT's start
+    cached_tokens: int | None = None
+
+    def values(self) -> dict[str, Any]:
+        at = _aware(self.at)
+        return {"first_at": at, "ttft": _ms(self.started_at, at), "cached": self.cached_tokens}
+
+
+_NO_FIRST_TOKEN: dict[str, Any] = {"first_at": None, "ttft": None, "cached": None}
 
 
 def _tpot_ms(
@@ -296,6 +313,13 @@ _END_RUNNING = (
         error=_given("error", _JOBS.c.error),
         tpot_ms=_given("tpot", _JOBS.c.tpot_ms),
         payload=null(),
+        # A first token the worker did not write before (it came with the end): the row's
+        # own, where it has one, is kept (mark_first_token: only the first counts).
+        first_token_at=func.coalesce(_JOBS.c.first_token_at,
+                                     bindparam("first_at", type_=UTCDateTime())),
+        ttft_ms=func.coalesce(_JOBS.c.ttft_ms, bindparam("ttft", type_=_JOBS.c.ttft_ms.type)),
+        cached_tokens=func.coalesce(_JOBS.c.cached_tokens,
+                                    bindparam("cached", type_=_JOBS.c.cached_tokens.type)),
     )
     .returning(*_JOB_COLUMNS)
 )
@@ -612,19 +636,24 @@ class Store:
         error: str | None = None,
         finished_at: datetime | None = None,
         first_token_at: datetime | None = None,
+        first_token: FirstToken | None = None,
     ) -> tuple[bool, JobRecord | None]:
         """finish_job, and the row as it then is (None: unknown job): a worker's `done`
         event carries the row's timings, and reading them here saves a read after.
 
         `first_token_at`: the row's, when the caller wrote it (the worker's attempt that
-        marked the first token). The usual end, of a job still running, is then one
-        UPDATE; any other goes through a read of the locked row."""
+        marked the first token); `first_token`: one it did not write, which this end writes
+        as mark_first_token would (a job whose first token came with its end). The usual
+        end, of a job still running, is then one UPDATE; any other goes through a read of
+        the locked row."""
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"not a terminal status: {status!r}")
         end = _aware(finished_at) if finished_at else utcnow()
-        if first_token_at is not None:
-            ended = self._end_running(job_id, status, end, first_token_at, finish_reason,
-                                      output_text, completion_tokens, error)
+        first = first_token.values() if first_token else _NO_FIRST_TOKEN
+        if first_token_at is not None or first_token is not None:
+            ended = self._end_running(job_id, status, end, first_token_at or first["first_at"],
+                                      finish_reason, output_text, completion_tokens, error,
+                                      first)
             if ended is not None:
                 return True, ended
         values = {
@@ -646,6 +675,9 @@ class Store:
             active = job["status"] in ACTIVE_STATUSES
             changes: dict[str, Any] = {name: value for name, value in values.items()
                                        if value is not None and (active or job[name] is None)}
+            if job["first_token_at"] is None and first["first_at"] is not None:
+                changes.update(first_token_at=first["first_at"], ttft_ms=first["ttft"],
+                               cached_tokens=first["cached"])
             job.update(changes)
             if job["tpot_ms"] is None:
                 changes["tpot_ms"] = _tpot_ms(job["first_token_at"], end,
@@ -662,12 +694,13 @@ class Store:
 
     def _end_running(self, job_id: str, status: str, end: datetime, first_token_at: datetime,
                      finish_reason: str | None, output_text: str | None,
-                     completion_tokens: int | None, error: str | None) -> JobRecord | None:
+                     completion_tokens: int | None, error: str | None,
+                     first: dict[str, Any]) -> JobRecord | None:
         """end_job of a job still queued or running, in one UPDATE; None when it was not."""
         params = {"job_id": job_id, "to_status": status, "finished_at": end,
                   "finish_reason": finish_reason, "output_text": output_text,
                   "completion_tokens": completion_tokens, "error": error,
-                  "tpot": _tpot_ms(_aware(first_token_at), end, completion_tokens)}
+                  "tpot": _tpot_ms(_aware(first_token_at), end, completion_tokens), **first}
         with self._write_conn() as conn:
             row = conn.execute(_END_RUNNING, params).mappings().one_or_none()
             if row is None:

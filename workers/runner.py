@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from store import Store
+from store import FirstToken, Store
 from tasks.payloads import GeneratePayload
 from tidegate import keys, logs, tracing
 from tidegate.events import Event
@@ -465,10 +465,13 @@ def _finish(ctx: WorkerContext, job_id: str, progress: Progress, status: JobStat
     row was already cancelled or expired (it keeps that status and gets the usage)."""
     if not ctx.retry(progress.lease.renew):
         raise LeaseLost(job_id)
+    first = None
+    if progress.first_token_at is None and progress.first_token_out is not None:
+        first = FirstToken(progress.first_token_out, progress.started_at, progress.cached_tokens)
     return ctx.retry(ctx.store.end_job, job_id, status, output_text=progress.text,
                      completion_tokens=len(progress.token_ids),
                      finished_at=datetime.now(UTC), first_token_at=progress.first_token_at,
-                     **values)
+                     first_token=first, **values)
 
 
 def _count_end(ctx: WorkerContext, status: JobStatus, job: Any, progress: Progress) -> None:

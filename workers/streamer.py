@@ -284,7 +284,9 @@ class Streamer:
         progress.history.append(take.event)
         progress.seq += 1
         if take.first:
-            feed.inbox.put((FIRST, datetime.now(UTC)))
+            progress.first_token_out = datetime.now(UTC)
+            if not take.ended:  # else the job's end writes it, in the same statement
+                feed.inbox.put((FIRST, progress.first_token_out))
 
     def _hand_back(self, feed: Feed, deltas: list[Delta], ended: bool = False,
                    end: BaseException | None = None) -> None:

@@ -23,6 +23,7 @@ from sqlalchemy import Index, MetaData, text
 
 from store import (
     Base,
+    FirstToken,
     JobRecord,
     SessionOwnerError,
     Store,
@@ -347,6 +348,43 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
                                first_token_at=datetime.now(UTC))
     assert not ended and row is not None and row.status == "cancelled"
     assert row.completion_tokens == 2 and row.finished_at is not None
+
+
+def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
+        store: Store, tenant_id: int) -> None:
+    """A job whose first token came with its end (a 1-token job) gets its first token's
+    time, TTFT and cached tokens from end_job, as mark_first_token would write them; a row
+    that has a first token keeps it; a cancelled job's locked read writes it too."""
+    job = new_job(store, tenant_id)
+    started = store.claim_job(job.id, "w1", "vllm")
+    assert started is not None and started.started_at is not None
+    first = started.started_at + timedelta(milliseconds=40)
+    ended, row = store.end_job(job.id, "done", finish_reason="length", output_text="a",
+                               completion_tokens=1, finished_at=first,
+                               first_token=FirstToken(first, started.started_at, 7))
+    assert ended and row is not None and row == store.get_job(job.id)
+    assert row.first_token_at == first and row.ttft_ms == pytest.approx(40.0)
+    assert row.cached_tokens == 7 and row.status == "done"
+
+    marked = new_job(store, tenant_id)
+    started = store.claim_job(marked.id, "w1", "vllm")
+    assert started is not None and started.started_at is not None
+    earlier = started.started_at + timedelta(milliseconds=10)
+    assert store.mark_first_token(marked.id, earlier, 3, started.started_at)
+    _, row = store.end_job(marked.id, "done", completion_tokens=2,
+                           first_token=FirstToken(earlier + timedelta(seconds=1),
+                                                  started.started_at, 9))
+    assert row is not None and row.first_token_at == earlier and row.cached_tokens == 3
+
+    cancelled = new_job(store, tenant_id)
+    started = store.claim_job(cancelled.id, "w1", "vllm")
+    assert started is not None and started.started_at is not None
+    store.cancel_job(cancelled.id)
+    at = started.started_at + timedelta(milliseconds=5)
+    ended, row = store.end_job(cancelled.id, "done", completion_tokens=1,
+                               first_token=FirstToken(at, started.started_at))
+    assert not ended and row is not None and row.status == "cancelled"
+    assert row.first_token_at == at and row.ttft_ms == pytest.approx(5.0)
 
 
 def test_cancel_queued_and_running(store: Store, tenant_id: int) -> None:

@@ -76,7 +76,7 @@ def stream_of(client: redis.Redis, job_id: str) -> list[Event]:
     return [Event.from_json(fields[b"e"]) for _, fields in entries]
 
 
-def test_many_jobs_stream_every_token_in_order_and_hear_their_first_and_end(
+def test_many_jobs_stream_every_token_in_order_and_hear_their_end(
         client: redis.Redis, streamer: Streamer) -> None:
     feeds = [open_job(client, streamer, f"job-{n}") for n in range(20)]
 
@@ -90,7 +90,9 @@ def test_many_jobs_stream_every_token_in_order_and_hear_their_first_and_end(
     threading.Thread(target=engine).start()
     for feed in feeds:
         kinds = [kind for kind, _ in messages(feed)]
-        assert kinds == [FIRST, END]
+        # No FIRST when the first token came with the end: the end writes both at once.
+        assert kinds in ([FIRST, END], [END])
+        assert feed.progress.first_token_out is not None
         events = stream_of(client, feed.job_id)
         assert [e.seq for e in events] == list(range(len(events)))
         assert "".join(e.text for e in events) == "".join(f"t{i} " for i in range(30))
@@ -140,8 +142,9 @@ def test_a_redis_that_forgot_the_script_hands_back_then_the_next_batch_runs(
     assert list(_until(slow, SLOW))[-1][0] == SLOW
     fast = open_job(client, streamer, "job-after")
     fast.put(token(0))
+    assert [kind for kind, _ in _until(fast, FIRST)] == [FIRST]
     fast.close(None)
-    assert [kind for kind, _ in messages(fast)] == [FIRST, END]
+    assert [kind for kind, _ in messages(fast)] == [END]
 
 
 def _until(feed: Feed, kind: str) -> Iterator[tuple[str, object]]:
