@@ -589,6 +589,17 @@ def alone_figures(a: AdmitResult, d: DrainResult) -> dict[str, Any]:
             "drain_jobs_per_s": ratio(d.jobs, d.cpu.wall_s)}
 
 
+def beyond_job_us(f: Mapping[str, Any]) -> float:
+    """The workers' CPU per token in the stream window less each job's fixed cost (a
+    1-token job's, from the drain), counted once for each job submitted in the window:
+    an estimate of what a token itself costs a worker."""
+    tokens = f["worker_tokens_in_window"]
+    fixed_ms = f["worker_cpu_ms_per_job"] * f["jobs_timed"]
+    if not tokens or not math.isfinite(fixed_ms):
+        return math.nan
+    return (f["worker_cpu_s_stream"] * 1000 - fixed_ms) * 1000 / tokens
+
+
 def stream_figures(s: StreamResult, published: Mapping[str, Mapping[int, tuple[str, float]]],
                    ) -> dict[str, Any]:
     w = s.window
@@ -620,6 +631,7 @@ def stream_figures(s: StreamResult, published: Mapping[str, Mapping[int, tuple[s
         "delivery_lag_p50_ms": l50, "delivery_lag_p99_ms": l99,
         "tokens_per_s": received / w.seconds,
         "worker_cpu_us_per_token": ratio(cpu.worker_s * 1e6, written),
+        "worker_cpu_s_stream": cpu.worker_s, "worker_tokens_in_window": written,
         "engine_cpu_us_per_token": ratio(cpu.engine_s * 1e6, written),
         "api_cpu_us_per_token": ratio(cpu.api_s * 1e6, received),
         "redis_cpu_us_per_token": ratio(cpu.redis_s * 1e6, written),
@@ -717,6 +729,7 @@ def measure_level(bench: Bench, meter: CpuMeter, n: int, cfg: Config) -> dict[st
     figures = {"concurrency": n, "load_before": load, **alone_figures(alone, drained),
                **admit_figures(admit, finished), **stream_figures(streams, published),
                "left_in_flight": left}
+    figures["worker_cpu_us_per_token_beyond_job"] = beyond_job_us(figures)
     figures["neighbours"] = "; ".join(sorted(set(neighbours_before) | set(busy_neighbours())))
     log(f"N={n}: admit {fmt(figures['admit_jobs_per_s'])} jobs/s, API "
         f"{fmt(figures['api_cpu_ms_per_job'], 2)} ms/job; queue TTFT p50/p99 "
@@ -740,6 +753,8 @@ ROWS: list[Row] = [
     ("admitted jobs/s (202s) / API CPU per job (ms), workers running",
      ("admit_jobs_per_s_with_workers", "api_cpu_ms_per_job_with_workers"), 2),
     ("worker CPU per token, outside engine (us)", "worker_cpu_us_per_token", 1),
+    ("  of which beyond each job's fixed cost (us, estimate)",
+     "worker_cpu_us_per_token_beyond_job", 1),
     ("engine thread CPU per token (us)", "engine_cpu_us_per_token", 1),
     ("API CPU per delivered token (us)", "api_cpu_us_per_token", 1),
     ("Redis CPU per token (us)", "redis_cpu_us_per_token", 1),
@@ -886,6 +901,10 @@ NOTES = [
     "their CPU from their restart until no job is left, per job. Then again with the "
     "workers running the jobs as they come (`workers running`): on 2 cores the workers' "
     "share of each job then caps what the API can admit.",
+    "worker CPU per token beyond each job's fixed cost: the workers' CPU in the stream "
+    "window less, for each job submitted in the window, the CPU of a 1-token job (the "
+    "drain's figure), over the tokens written in the window. An estimate: a job's fixed "
+    "cost is paid at its start and its end, which may fall outside the window.",
     "The load client runs on the same 2 cores as everything it measures (its CPU share is in "
     "the table): figures are lower bounds of what the stack does on a machine of its own.",
 ]
