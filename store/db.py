@@ -272,6 +272,8 @@ _JOB_COLUMNS = tuple(_JOBS.c[name] for name in JOB_FIELDS)
 # Built once: building a statement cost as much CPU as running it.
 _BY_ID = _JOBS.c.id == bindparam("job_id")
 _SELECT_JOB = select(*_JOB_COLUMNS).where(_BY_ID)
+_SELECT_BY_KEY = select(*_JOB_COLUMNS).where(_JOBS.c.tenant_id == bindparam("tenant_id"),
+                                             _JOBS.c.idempotency_key == bindparam("key"))
 _SELECT_ENQUEUED_AT = select(_JOBS.c.enqueued_at).where(_BY_ID)
 _SELECT_STARTED_AT = select(_JOBS.c.started_at).where(_BY_ID)
 _CLAIM = (
@@ -469,16 +471,21 @@ class Store:
 
         trace_id: the submit's OpenTelemetry trace (tidegate/tracing.py), None if untraced.
         """
-        if idempotency_key is not None:
-            existing = self.job_by_idempotency_key(tenant_id, idempotency_key)
-            if existing is not None:
-                return existing, False, 0
         row = _queued_row(job_id, tenant_id, lane, queue, priority, session_id, sampling,
                           prompt_tokens, idempotency_key, lora, route_reason, payload,
                           callback_url, trace_id)
-        if idempotency_key is None and session_id is None:  # nothing to race, no turn
+        if session_id is not None:  # its turn is counted in the same transaction
+            return self._insert_job(row, turn_of=session_id)
+        # No read first: a key used before fails the insert on its unique index, and the
+        # job it made comes back (the API's submit looked it up just before: api/submit.py).
+        try:
             return self._group_insert.insert(row), True, 0
-        return self._insert_job(row, turn_of=session_id)
+        except IntegrityError:
+            existing = (self.job_by_idempotency_key(tenant_id, idempotency_key)
+                        if idempotency_key is not None else None)
+            if existing is None:
+                raise
+            return existing, False, 0
 
     def _insert_job(self, values: dict[str, Any],
                     turn_of: str | None) -> tuple[JobRecord, bool, int]:
@@ -515,10 +522,10 @@ class Store:
 
     def job_by_idempotency_key(self, tenant_id: int, idempotency_key: str) -> JobRecord | None:
         """The tenant's job submitted with this idempotency key, if any."""
-        stmt = select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == idempotency_key)
-        with self._read() as session:
-            job = session.scalars(stmt).one_or_none()
-            return job_record(job) if job else None
+        with self._read_conn() as conn:
+            row = conn.execute(_SELECT_BY_KEY, {"tenant_id": tenant_id, "key": idempotency_key}
+                               ).mappings().one_or_none()
+        return row_job_record(row) if row is not None else None
 
     def get_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
         """The job; with tenant_id, None unless the job belongs to that tenant."""
