@@ -318,6 +318,10 @@ class _EventReader:
 
     async def verdict(self, job: Any = _READ_IT) -> tuple[str, str] | None:
         """(code, message) of the error event that ends the stream now; None: wait on."""
+        if self.seq < 0 and job is not _READ_IT and job is not None and not job.terminal:
+            # From the start, a job not ended: neither its stream's end (ahead of any
+            # Last-Event-ID) nor its row can end it, so the stream's last entry is not read.
+            return None
         last: Any = await self.deps.redis.xrevrange(self.key, count=1)
         if last and _kind_of(last[0][1]) in TERMINAL_KINDS:
             end_seq = keys.seq_of(last[0][0])

@@ -5,6 +5,7 @@ submit, cancelling, a job as JSON."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -220,7 +221,11 @@ def job_id_of(path_id: str) -> str:
 
 class EventStream(StreamingResponse):
     """An SSE answer holding its stream slot (api/admission.py StreamSlots) until it is
-    done, however it ends: the events ran out, the client went away, an error."""
+    done, however it ends: the events ran out, the client went away, an error.
+
+    StreamingResponse's headers, with a plain ASGI loop of its own: StreamingResponse ran
+    each stream in an anyio task group, a cost per stream and per frame that only the
+    watch for the client's going away needs. Here that watch is one task (_Leaving)."""
 
     def __init__(self, body: AsyncIterator[bytes], give_back: Callable[[], None],
                  headers: dict[str, str] | None = None) -> None:
@@ -230,7 +235,50 @@ class EventStream(StreamingResponse):
         self.give_back = give_back
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        leaving = _Leaving()
+        watch = asyncio.create_task(leaving.watch(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await self._send_all(send)
+        except asyncio.CancelledError:
+            if not leaving.cancelled_it():
+                raise  # a cancel of another's (a server shutting down) goes on
         finally:
+            watch.cancel()
             self.give_back()
+
+    async def _send_all(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Leaving:
+    """Ends a stream when the server says its client went away: uvicorn drops what is sent
+    after that without a word, so nothing else would notice until the job ended."""
+
+    RECANCEL_S = 0.1
+
+    def __init__(self) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        self.streaming = streaming
+        self.cancels = 0
+
+    async def watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # the request's body
+        # Cancelled again until it ends, as anyio does: asyncio.wait_for before Python
+        # 3.12 drops a cancel that comes as what it waits on finishes, and redis-py sends
+        # every command through one.
+        while True:
+            self.cancels += 1
+            self.streaming.cancel()
+            await asyncio.sleep(self.RECANCEL_S)
+
+    def cancelled_it(self) -> bool:
+        """Whether the stream's cancel was only this watch's (its requests taken back)."""
+        for _ in range(self.cancels):
+            self.streaming.uncancel()
+        return self.cancels > 0 and self.streaming.cancelling() == 0

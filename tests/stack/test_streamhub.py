@@ -1,0 +1,170 @@
+"""The API's one XREAD over every waiting stream (api/streamhub.py), on the session's
+Redis: what a waiter gets, when its wait runs out, when it comes while the XREAD blocks,
+when it leaves, and when Redis fails or fails over (a Sentinel trio of its own). Each
+test runs its own hub on Redis DB 10, on keys of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from redis import asyncio as aioredis
+
+from api.streamhub import StreamHub
+from tests.stack.test_sentinel import redis_trio
+from tidegate import redisconn
+from tidegate_tools.procs import free_port
+
+DB = 10
+
+
+@pytest.fixture
+def url(redis_server: str) -> Iterator[str]:
+    own = redis_server.rsplit("/", 1)[0] + f"/{DB}"
+    yield own
+    redis.Redis.from_url(own).flushdb()
+
+
+def run(url: str, test: Callable[[StreamHub, Any, str], Awaitable[None]],
+        **client: Any) -> None:
+    """`test(hub, client, key)` on a hub of its own, with a fresh stream key."""
+    async def main() -> None:
+        r = aioredis.Redis.from_url(url, **client)
+        hub = StreamHub(r, f"tghub{uuid.uuid4().hex[:8]}", block_ms=5000)
+        try:
+            await asyncio.wait_for(test(hub, r, f"hubtest:{uuid.uuid4().hex}"), 20)
+        finally:
+            await hub.close()
+            await r.aclose()
+
+    asyncio.run(main())
+
+
+def ids(entries: list[Any]) -> list[bytes]:
+    return [entry_id for entry_id, _ in entries]
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_a_waiter_gets_the_entries_after_its_cursor_with_their_fields(url: str,
+                                                                      protocol: int) -> None:
+    async def test(hub: StreamHub, r: Any, key: str) -> None:
+        await r.xadd(key, {"e": "zero", "k": "started"}, id="1-0")
+        await r.xadd(key, {"e": "one", "k": "token"}, id="2-0")
+        assert await hub.read(key, "0-0", 1) == [(b"1-0", {b"e": b"zero", b"k": b"started"}),
+                                                 (b"2-0", {b"e": b"one", b"k": b"token"})]
+        reading = asyncio.create_task(hub.read(key, b"2-0", 5))
+        await asyncio.sleep(0.05)
+        await r.xadd(key, {"e": "two", "k": "done"}, id="3-0")
+        assert await reading == [(b"3-0", {b"e": b"two", b"k": b"done"})]
+
+    run(url, test, protocol=protocol)
+
+
+def test_a_wait_that_runs_out_answers_nothing_and_the_entries_stay(url: str) -> None:
+    async def test(hub: StreamHub, r: Any, key: str) -> None:
+        started = time.monotonic()
+        assert await hub.read(key, "0-0", 0.2) == []
+        assert 0.2 <= time.monotonic() - started < 2
+        assert hub.waiting() == 0
+        await r.xadd(key, {"e": "late"}, id="1-0")
+        assert ids(await hub.read(key, "0-0", 1)) == [b"1-0"]
+
+    run(url, test)
+
+
+def test_a_waiter_that_comes_while_the_xread_blocks_is_served_at_once(url: str) -> None:
+    """The XREAD blocks 5 s on another stream; the newcomer's entry comes well before."""
+    async def test(hub: StreamHub, r: Any, key: str) -> None:
+        other = asyncio.create_task(hub.read(key + ":other", "0-0", 10))
+        await asyncio.sleep(0.1)  # its XREAD blocks
+        started = time.monotonic()
+        reading = asyncio.create_task(hub.read(key, "0-0", 10))
+        await asyncio.sleep(0.05)
+        await r.xadd(key, {"e": "x"}, id="1-0")
+        assert ids(await reading) == [b"1-0"]
+        assert time.monotonic() - started < 2
+        other.cancel()
+
+    run(url, test)
+
+
+def test_a_waiter_behind_the_xread_in_flight_gets_no_gap(url: str) -> None:
+    """A second reader of a stream joins, from further back, just as the XREAD's answer
+    (after the first reader's cursor) arrives: it gets every entry after its own cursor,
+    from the next XREAD, not the answer that skips the ones between."""
+    async def test(hub: StreamHub, r: Any, key: str) -> None:
+        for seq in (1, 2):
+            await r.xadd(key, {"e": str(seq)}, id=f"{seq}-0")
+        ahead = asyncio.create_task(hub.read(key, "2-0", 10))
+        await asyncio.sleep(0.1)  # its XREAD blocks, from 2-0
+        # Written without a turn of the loop: the XREAD's answer waits, unread, until the
+        # reader behind has joined.
+        redis.Redis(connection_pool=redis.ConnectionPool.from_url(url)).xadd(
+            key, {"e": "3"}, id="3-0")
+        behind = asyncio.create_task(hub.read(key, "0-0", 10))
+        assert ids(await ahead) == [b"3-0"]
+        assert ids(await behind) == [b"1-0", b"2-0", b"3-0"]
+
+    run(url, test)
+
+
+def test_a_reader_that_leaves_leaves_no_waiter(url: str) -> None:
+    async def test(hub: StreamHub, r: Any, key: str) -> None:
+        reading = asyncio.create_task(hub.read(key, "0-0", 10))
+        await asyncio.sleep(0.05)
+        assert hub.waiting() == 1
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        assert hub.waiting() == 0
+        await r.xadd(key, {"e": "x"}, id="1-0")  # nobody to hand it to
+        assert ids(await hub.read(key, "0-0", 1)) == [b"1-0"]
+
+    run(url, test)
+
+
+def test_redis_failing_fails_the_waiters(url: str) -> None:
+    """No Redis where the hub's client points: every read raises the RedisError (the SSE
+    stream's `unavailable` frame), and none is left waiting."""
+    async def main() -> None:
+        r = aioredis.Redis.from_url(f"redis://127.0.0.1:{free_port()}/0",
+                                    socket_connect_timeout=0.5)
+        hub = StreamHub(r, "tghubdown")
+        reads = [hub.read(f"hubtest:down:{i}", "0-0", 10) for i in range(3)]
+        results = await asyncio.wait_for(asyncio.gather(*reads, return_exceptions=True), 20)
+        assert all(isinstance(result, aioredis.RedisError) for result in results), results
+        assert hub.waiting() == 0
+        await hub.close()
+        await r.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_hub_blocked_on_the_master_follows_the_failover(tmp_root: Path) -> None:
+    """The hub's XREAD, on the connection it holds from a Sentinel-managed pool, blocks on
+    the master when it dies: retried as redis-py retries a command, on the replica the
+    sentinel promotes, it hands out what is written there."""
+    key = "ha:hub"
+    with redis_trio(tmp_root / "logs" / "sentinel-hub") as trio:
+        async def main() -> list[Any]:
+            client = redisconn.async_client(trio.url, socket_timeout=30)
+            hub = StreamHub(client, "tghubha", block_ms=25_000)
+            reading = asyncio.create_task(hub.read(key, "0-0", 60))
+            master = trio.node(trio.master_port)
+            while not any(c["cmd"] == "xread" for c in master.client_list()):
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(trio.fail_over, trio.procs)
+            trio.node(trio.replica_port).xadd(key, {"e": "1"}, id="1-0")
+            try:
+                return await asyncio.wait_for(reading, 30)
+            finally:
+                await hub.close()
+                await client.aclose()
+
+        assert asyncio.run(main()) == [(b"1-0", {b"e": b"1"})]
