@@ -46,7 +46,7 @@ from api.fleet import fleet_report
 from api.openai_api import error_body
 from api.schemas import JobRequest, parse_job_request
 from store.batches import Batches
-from tidegate import keys
+from tidegate import gcfreeze, keys
 from tidegate.events import TERMINAL, Event
 from tidegate.fleet import read_fleet
 from tidegate.settings import Settings, get_settings
@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
         driver = asyncio.create_task(batches.Driver(deps, batch_store).run())
         auth_changes = asyncio.create_task(follow_changes(deps.redis, settings.namespace))
+        gcfreeze.after_start()
         yield
         auth_changes.cancel()
         driver.cancel()

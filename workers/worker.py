@@ -33,7 +33,7 @@ import redis
 
 from store import Store
 from tasks.recovery import restore_orphans
-from tidegate import keys, redisconn
+from tidegate import gcfreeze, keys, redisconn
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
 from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
@@ -110,6 +110,7 @@ class Worker:
                                  metrics=process_metrics().bind(self.name, self.pool),
                                  streamer=streamer)
         streamer.start()
+        gcfreeze.after_start()
         CancelListener(self.redis, s.namespace, host).start()
 
     @property
