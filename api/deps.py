@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import tenant_for_key
 from api.errors import ApiError, malformed, not_found
-from api.limits import InFlightCounts
+from api.limits import Backlogs, InFlightCounts
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
@@ -31,7 +31,7 @@ from api.streamhub import StreamHub
 from api.submit import submit as submit_job
 from scheduler.router import WorkerView
 from store import Store
-from tasks.app import make_app
+from tasks.app import make_app, queue_lengths
 from tidegate import keys, redisconn
 from tidegate.events import Event
 from tidegate.fleet import read_fleet
@@ -81,6 +81,7 @@ class Deps:
         self.prompts = PromptRenderer(settings.tokenizer_path)
         self.metrics = ApiMetrics()
         self.in_flight = InFlightCounts(self.store.count_in_flight)
+        self.backlogs = Backlogs(lambda queues: queue_lengths(self.sync_redis, queues))
         self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
         self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
         self.metrics.sse_streams.set_function(self.streams.open)

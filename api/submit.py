@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -39,7 +37,7 @@ from api.schemas import JobAccepted, JobRequest
 from scheduler import router
 from store import JobRecord, SessionOwnerError, SessionRecord, Store
 from tasks import webhooks
-from tasks.app import push_generate, queue_lengths, send_generate, writes_to
+from tasks.app import push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import hot, keys, tracing
 from tidegate.lanes import Lane, pool_queue, redis_priority
@@ -60,6 +58,7 @@ class SubmitDeps(Protocol):
     prompts: PromptRenderer
     metrics: ApiMetrics
     in_flight: limits.InFlightCounts
+    backlogs: limits.Backlogs
 
     def fleet(self) -> list[router.WorkerView]: ...
 
@@ -96,7 +95,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
     if created:  # else a concurrent request with the same key made the job first
         publish(deps, checked, job, payload, system)
         deps.in_flight.admitted(tenant.id)
-        _backlogs(deps).queued(job.queue)
+        deps.backlogs.queued(job.queue)
     return _accepted(job, created)
 
 
@@ -184,22 +183,7 @@ def replay(deps: SubmitDeps, checked: Checked) -> JobRecord | None:
 def lane_backlog(deps: SubmitDeps, lane: Lane) -> dict[str, int]:
     """Messages waiting in each of the lane's pool queues, read at most every
     limits.BACKLOG_FRESH_S, plus what this process queued since (limits.Backlogs)."""
-    return _backlogs(deps).get([pool_queue(lane, pool) for pool in lane.pools])
-
-
-# One limits.Backlogs per Deps (one per API process), made on its first submit.
-_BACKLOGS: weakref.WeakKeyDictionary[Any, limits.Backlogs] = weakref.WeakKeyDictionary()
-_BACKLOGS_MADE = threading.Lock()
-
-
-def _backlogs(deps: SubmitDeps) -> limits.Backlogs:
-    backlogs = _BACKLOGS.get(deps)
-    if backlogs is None:
-        with _BACKLOGS_MADE:
-            # Reads through the client, not `deps`: a value holding its key would keep it.
-            made = limits.Backlogs(functools.partial(queue_lengths, deps.sync_redis))
-            backlogs = _BACKLOGS.setdefault(deps, made)
-    return backlogs
+    return deps.backlogs.get([pool_queue(lane, pool) for pool in lane.pools])
 
 
 def bound(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> None:
