@@ -4,6 +4,7 @@ while it publishes the job's tokens (workers/streamer.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -34,3 +35,14 @@ class Progress:
     def of(cls, lease: Lease, state: StreamState) -> Progress:
         return cls(lease, state.next_seq, state.text, list(state.token_ids),
                    history=list(state.events))
+
+    def add_tokens(self, text: str, token_ids: Sequence[int]) -> None:
+        """Tokens this attempt generated, as its next token event carries them."""
+        self.text += text
+        self.token_ids.extend(token_ids)
+        self.emitted_here += len(token_ids)
+
+    def appended(self, event: Event) -> None:
+        """An event is in the job's stream: the next one takes the next seq."""
+        self.history.append(event)
+        self.seq += 1

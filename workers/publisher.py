@@ -87,11 +87,14 @@ class EventPublisher:
         pipe.evalsha(self.append_sha, 2, *script_keys, *args)
         lease.release_in(pipe)
         appended, released = pipe.execute(raise_on_error=False)
-        if appended == 1 and released in (0, 1):
-            lease.released = True
+        if appended == 1:
+            if released in (0, 1):
+                lease.released = True
+            else:  # the release's script was not loaded: release on its own
+                lease.release()
             return True
-        # Off the usual way (the stream lost, a duplicate, the lease another's, a script
-        # Redis forgot): the release above may have run, and an append takes a lapsed
+        # Off the usual way (the stream lost, a duplicate, the lease another's, the append
+        # script Redis forgot): the release above may have run, and an append takes a lapsed
         # lease back, so the append goes first and the release again after it.
         published = self.publish(event, lease, history)
         lease.release()

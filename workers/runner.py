@@ -383,9 +383,7 @@ def _on_delta(ctx: WorkerContext, job_id: str, progress: Progress, delta: Delta)
         if ctx.retry(ctx.store.mark_first_token, job_id, at, progress.cached_tokens,
                      progress.started_at):
             progress.first_token_at = at
-    progress.text += text
-    progress.token_ids.extend(token_ids)
-    progress.emitted_here += len(token_ids)
+    progress.add_tokens(text, token_ids)
     _emit(ctx, job_id, progress, "token", text=text, token_ids=list(token_ids))
     if ctx.hold is not None:
         ctx.hold.check(job_id, len(progress.token_ids))
@@ -400,8 +398,7 @@ def _emit(ctx: WorkerContext, job_id: str, progress: Progress, kind: Any, *, tex
     # event releases its lease in the same round trip.
     publish = ctx.publisher.publish_last if event.terminal else ctx.publisher.publish
     ctx.retry(publish, event, progress.lease, progress.history)
-    progress.history.append(event)
-    progress.seq += 1
+    progress.appended(event)
 
 
 def _end_done(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,

@@ -278,11 +278,8 @@ class Streamer:
             feed.finish_reason = delta.finish_reason
         if take.event is None:
             return
-        progress.text += delta.text
-        progress.token_ids.extend(delta.token_ids)
-        progress.emitted_here += len(delta.token_ids)
-        progress.history.append(take.event)
-        progress.seq += 1
+        progress.add_tokens(delta.text, delta.token_ids)
+        progress.appended(take.event)
         if take.first:
             progress.first_token_out = datetime.now(UTC)
             if not take.ended:  # else the job's end writes it, in the same statement
