@@ -8,10 +8,11 @@ under a row lock (PostgreSQL) / the database write lock (SQLite).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import secrets
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -25,6 +26,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    literal_column,
     null,
     or_,
     select,
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from alembic.config import Config
 
 from store.engine import WRITE_OPTION, is_sqlite_memory, make_engine, normalize_url
+from store.hot import HotStatements
 from store.models import (
     ACTIVE_STATUSES,
     CANCELLED,
@@ -276,19 +279,32 @@ _SELECT_BY_KEY = select(*_JOB_COLUMNS).where(_JOBS.c.tenant_id == bindparam("ten
                                              _JOBS.c.idempotency_key == bindparam("key"))
 _SELECT_ENQUEUED_AT = select(_JOBS.c.enqueued_at).where(_BY_ID)
 _SELECT_STARTED_AT = select(_JOBS.c.started_at).where(_BY_ID)
-_CLAIM = (
-    update(_JOBS)
-    .where(_BY_ID, _JOBS.c.status.in_(ACTIVE_STATUSES))
-    .values(
-        status=RUNNING,
-        started_at=func.coalesce(_JOBS.c.started_at, bindparam("now", type_=UTCDateTime())),
-        queue_wait_ms=func.coalesce(_JOBS.c.queue_wait_ms, bindparam("wait_ms")),
-        worker=bindparam("by_worker"),
-        engine=bindparam("by_engine"),
-        attempts=_JOBS.c.attempts + 1,
+# The statuses a worker may move a job on from, written out (no expanding IN list: the
+# statements run as compiled once, store/hot.py).
+_ACTIVE = _JOBS.c.status.in_([literal_column(f"'{status}'") for status in
+                              sorted(ACTIVE_STATUSES)])
+_NOW = bindparam("now", type_=UTCDateTime())
+
+
+def _claim(wait_ms: Any) -> Any:
+    return (
+        update(_JOBS)
+        .where(_BY_ID, _ACTIVE)
+        .values(
+            status=RUNNING,
+            started_at=func.coalesce(_JOBS.c.started_at, _NOW),
+            queue_wait_ms=func.coalesce(_JOBS.c.queue_wait_ms, wait_ms),
+            worker=bindparam("by_worker"),
+            engine=bindparam("by_engine"),
+            attempts=_JOBS.c.attempts + 1,
+        )
+        .returning(*_JOB_COLUMNS)
     )
-    .returning(*_JOB_COLUMNS)
-)
+
+
+_CLAIM = _claim(bindparam("wait_ms"))
+# PostgreSQL: the wait from the row's enqueued_at, in the same UPDATE (no SELECT first).
+_CLAIM_AT_ONCE = _claim(func.extract("epoch", _NOW - _JOBS.c.enqueued_at) * 1000)
 _FIRST_TOKEN = (
     update(_JOBS)
     .where(_BY_ID, _JOBS.c.first_token_at.is_(None))
@@ -298,6 +314,14 @@ _FIRST_TOKEN = (
 _INSERT_JOB = insert(_JOBS).returning(*_JOB_COLUMNS)
 
 
+@functools.lru_cache(maxsize=64)
+def _insert_of(columns: tuple[str, ...]) -> Any:
+    """The job INSERT of these columns (a queued row leaves out those it has no value
+    for), built once per set."""
+    return insert(_JOBS).values({name: bindparam(name, type_=_JOBS.c[name].type)
+                                 for name in columns}).returning(*_JOB_COLUMNS)
+
+
 def _given(name: str, column: Any) -> Any:
     """The parameter `name` where given, else the column's value."""
     return func.coalesce(bindparam(name, type_=column.type), column)
@@ -305,7 +329,7 @@ def _given(name: str, column: Any) -> Any:
 
 _END_RUNNING = (
     update(_JOBS)
-    .where(_BY_ID, _JOBS.c.status.in_(ACTIVE_STATUSES))
+    .where(_BY_ID, _ACTIVE)
     .values(
         status=bindparam("to_status"),
         finished_at=bindparam("finished_at", type_=UTCDateTime()),
@@ -325,6 +349,8 @@ _END_RUNNING = (
     )
     .returning(*_JOB_COLUMNS)
 )
+# The usual end, of a job with no webhook to put in the outbox with it: one statement.
+_END_RUNNING_ALONE = _END_RUNNING.where(_JOBS.c.callback_url.is_(None))
 _COUNT_IN_FLIGHT = (select(func.count()).select_from(_JOBS)
                     .where(_JOBS.c.tenant_id == bindparam("tenant_id"),
                            _JOBS.c.status.in_(ACTIVE_STATUSES)))
@@ -349,6 +375,8 @@ class Store:
             threading.Lock() if sqlite_file else nullcontext()
         )
         self._group_insert = _GroupInsert(self._insert_jobs)  # create_job's common case
+        # PostgreSQL: the statements every job runs, on the driver itself (store/hot.py).
+        self._hot = HotStatements(self.engine) if HotStatements.serves(self.engine) else None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -508,7 +536,12 @@ class Store:
 
     def _insert_jobs(self, rows: list[dict[str, Any]]) -> list[JobRecord]:
         """Insert the rows in one transaction; their records, in order. Rows that set the
-        same columns go in one multi-row INSERT (SQLAlchemy's insertmanyvalues)."""
+        same columns go in one multi-row INSERT (SQLAlchemy's insertmanyvalues). On
+        PostgreSQL, an INSERT each on the driver (store/hot.py), in one transaction; a group
+        of one in autocommit."""
+        if self._hot is not None:
+            inserts = [(_insert_of(tuple(values)), values) for values in rows]
+            return [row_job_record(got[0]) for got in self._hot.rows_together(inserts)]
         by_columns: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         for values in rows:
             by_columns.setdefault(tuple(values), []).append(values)
@@ -522,6 +555,10 @@ class Store:
 
     def job_by_idempotency_key(self, tenant_id: int, idempotency_key: str) -> JobRecord | None:
         """The tenant's job submitted with this idempotency key, if any."""
+        if self._hot is not None:
+            rows = self._hot.rows(_SELECT_BY_KEY, {"tenant_id": tenant_id,
+                                                   "key": idempotency_key})
+            return row_job_record(rows[0]) if rows else None
         with self._read_conn() as conn:
             row = conn.execute(_SELECT_BY_KEY, {"tenant_id": tenant_id, "key": idempotency_key}
                                ).mappings().one_or_none()
@@ -529,8 +566,13 @@ class Store:
 
     def get_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
         """The job; with tenant_id, None unless the job belongs to that tenant."""
-        with self._read_conn() as conn:
-            row = conn.execute(_SELECT_JOB, {"job_id": job_id}).mappings().one_or_none()
+        row: Mapping[Any, Any] | None
+        if self._hot is not None:
+            rows = self._hot.rows(_SELECT_JOB, {"job_id": job_id})
+            row = rows[0] if rows else None
+        else:
+            with self._read_conn() as conn:
+                row = conn.execute(_SELECT_JOB, {"job_id": job_id}).mappings().one_or_none()
         if row is None or (tenant_id is not None and row["tenant_id"] != tenant_id):
             return None
         return row_job_record(row)
@@ -588,13 +630,15 @@ class Store:
         first claim only. None, and nothing changed, when the job is terminal or unknown.
         """
         now = utcnow()
+        params = {"job_id": job_id, "now": now, "by_worker": worker, "by_engine": engine}
+        if self._hot is not None:
+            rows = self._hot.rows(_CLAIM_AT_ONCE, params)
+            return row_job_record(rows[0]) if rows else None
         with self._write_conn() as conn:
             enqueued_at = conn.execute(_SELECT_ENQUEUED_AT, {"job_id": job_id}).scalar()
             if enqueued_at is None:
                 return None
-            row = conn.execute(_CLAIM, {"job_id": job_id, "now": now,
-                                        "wait_ms": _ms(enqueued_at, now),
-                                        "by_worker": worker, "by_engine": engine}
+            row = conn.execute(_CLAIM, {**params, "wait_ms": _ms(enqueued_at, now)}
                                ).mappings().one_or_none()
         return row_job_record(row) if row else None
 
@@ -604,6 +648,10 @@ class Store:
         engine found in its prefix cache; only the first call counts. `started_at`: the
         row's, as the claim returned it (a worker has it), which saves reading it here."""
         at = _aware(at)
+        if started_at is not None and self._hot is not None:
+            return self._hot.rowcount(_FIRST_TOKEN, {"job_id": job_id, "at": at,
+                                                     "ttft": _ms(started_at, at),
+                                                     "cached": cached_tokens}) > 0
         with self._write_conn() as conn:
             if started_at is None:
                 started_at = conn.execute(_SELECT_STARTED_AT, {"job_id": job_id}).scalar()
@@ -708,6 +756,10 @@ class Store:
                   "finish_reason": finish_reason, "output_text": output_text,
                   "completion_tokens": completion_tokens, "error": error,
                   "tpot": _tpot_ms(_aware(first_token_at), end, completion_tokens), **first}
+        if self._hot is not None:
+            rows = self._hot.rows(_END_RUNNING_ALONE, params)
+            if rows:
+                return row_job_record(rows[0])
         with self._write_conn() as conn:
             row = conn.execute(_END_RUNNING, params).mappings().one_or_none()
             if row is None:

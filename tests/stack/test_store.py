@@ -316,14 +316,15 @@ def test_first_token_and_finish_timings(store: Store, tenant_id: int) -> None:
         store.finish_job(single.id, "running")
 
 
+@pytest.mark.parametrize("callback_url", ["https://crm.example.com/hook", None])
 def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
-        store: Store, tenant_id: int) -> None:
+        store: Store, tenant_id: int, callback_url: str | None) -> None:
     """end_job given the first token's time (a worker that wrote it) ends a running job
-    in one UPDATE: the same row as without it, its webhook in the outbox; a job cancelled
-    meanwhile takes the locked read's way and stays cancelled."""
+    in one UPDATE: the same row as without it, its webhook (if it has one) in the outbox;
+    a job cancelled meanwhile takes the locked read's way and stays cancelled."""
     rows = []
     for hint in (True, False):
-        job = new_job(store, tenant_id, callback_url="https://crm.example.com/hook")
+        job = new_job(store, tenant_id, callback_url=callback_url)
         started = store.claim_job(job.id, "w1", "vllm")
         assert started is not None and started.started_at is not None
         first = started.started_at + timedelta(milliseconds=250)
@@ -334,7 +335,7 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
                                    first_token_at=first if hint else None)
         assert ended and row == store.get_job(job.id)
         assert row is not None and row.tpot_ms == pytest.approx(100.0)
-        assert len(Webhooks(store).of_job(job.id, tenant_id)) == 1
+        assert len(Webhooks(store).of_job(job.id, tenant_id)) == (1 if callback_url else 0)
         rows.append(row)
     ignored = {"id", "enqueued_at", "started_at", "first_token_at", "finished_at",
                "queue_wait_ms", "ttft_ms"}
@@ -348,6 +349,59 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
                                first_token_at=datetime.now(UTC))
     assert not ended and row is not None and row.status == "cancelled"
     assert row.completion_tokens == 2 and row.finished_at is not None
+
+
+@pytest.mark.postgres
+def test_the_driver_path_reads_rows_as_the_orm_does_whatever_the_time_zone(
+        pg_url: str) -> None:
+    """On PostgreSQL a job's claim, first token, end and read run on the driver itself
+    (store/hot.py): the records they return are the ORM's, timestamps in UTC, even on a
+    connection whose session time zone is not UTC."""
+    upgrade(pg_url)
+    st = Store(pg_url, connect_args={"options": "-c TimeZone=Asia/Tokyo"})
+    try:
+        tenant = st.create_tenant(f"tz-{uuid.uuid4().hex[:8]}", ["chat"])[0]
+        job = new_job(st, tenant.id)
+        claimed = st.claim_job(job.id, "w1", "vllm")
+        assert claimed is not None and claimed.started_at is not None
+        assert claimed.started_at.utcoffset() == timedelta(0)
+        assert claimed.queue_wait_ms == pytest.approx(
+            (claimed.started_at - job.enqueued_at).total_seconds() * 1000, abs=0.01)
+        assert st.mark_first_token(job.id, claimed.started_at + timedelta(milliseconds=40),
+                                   cached_tokens=3, started_at=claimed.started_at)
+        ended, row = st.end_job(job.id, "done", completion_tokens=5, output_text="hello",
+                                first_token_at=claimed.started_at + timedelta(milliseconds=40))
+        assert ended and row is not None and row.ttft_ms == pytest.approx(40.0)
+        assert row == st.get_job(job.id) == st.jobs_of_tenant(tenant.id)[0]
+    finally:
+        st.close()
+
+
+@pytest.mark.postgres
+def test_a_connection_the_database_dropped_fails_one_call_then_the_pool_connects_anew(
+        pg_url: str) -> None:
+    """A pooled connection whose backend PostgreSQL ended (a restart, a failover) fails
+    the call that finds it with OperationalError, which workers retry, and the next call
+    runs on a new connection."""
+    from sqlalchemy.exc import OperationalError
+
+    upgrade(pg_url)
+    st = Store(pg_url)
+    try:
+        tenant = st.create_tenant(f"drop-{uuid.uuid4().hex[:8]}", ["chat"])[0]
+        job = new_job(st, tenant.id)
+        assert st.get_job(job.id) is not None  # a pooled connection, used a moment ago
+        with make_engine(pg_url).connect() as admin:
+            ended = admin.execute(text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar()
+        assert ended
+        with pytest.raises(OperationalError):
+            st.claim_job(job.id, "w1", "vllm")
+        claimed = st.claim_job(job.id, "w1", "vllm")
+        assert claimed is not None and claimed.attempts == 1
+    finally:
+        st.close()
 
 
 def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
