@@ -75,7 +75,11 @@ class HotStatements:
                        work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """work(a pooled driver connection in autocommit); a driver error as SQLAlchemy's
         (`sql` and `values` name the statement in it)."""
-        fairy = self._engine.raw_connection()  # the pool's checkout checks apply
+        try:
+            fairy = self._engine.raw_connection()  # the pool's checkout checks apply
+        except psycopg.Error as error:  # no connection to be had (the database is down)
+            raise exc.DBAPIError.instance(sql, values, error, psycopg.Error,
+                                          dialect=self._engine.dialect) from error
         try:
             conn: psycopg.Connection[Any] = fairy.driver_connection  # type: ignore[assignment]
             conn.autocommit = True

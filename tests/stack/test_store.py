@@ -404,6 +404,29 @@ def test_a_connection_the_database_dropped_fails_one_call_then_the_pool_connects
         st.close()
 
 
+@pytest.mark.postgres
+def test_a_database_that_refuses_connections_fails_the_driver_path_as_sqlalchemy_does(
+        pg_url: str) -> None:
+    """A PostgreSQL that is down (restarting) fails a claim, an end and a read with
+    SQLAlchemy's OperationalError, which workers retry (workers/retry.py), not the
+    driver's, which they would take for a bug and end the job `internal`."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    from tidegate_tools.procs import free_port
+
+    st = Store(make_url(pg_url).set(port=free_port()).render_as_string(hide_password=False))
+    try:
+        with pytest.raises(OperationalError):
+            st.claim_job(str(uuid.uuid4()), "w1", "vllm")
+        with pytest.raises(OperationalError):
+            st.end_job(str(uuid.uuid4()), "done", first_token_at=datetime.now(UTC))
+        with pytest.raises(OperationalError):
+            st.get_job(str(uuid.uuid4()))
+    finally:
+        st.close()
+
+
 def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
         store: Store, tenant_id: int) -> None:
     """A job whose first token came with its end (a 1-token job) gets its first token's
