@@ -1,9 +1,12 @@
 """The Store: every read and write of tenants, jobs and chat sessions.
 
 Methods open a short transaction each and return frozen records (store.records), so one
-Store is shared by all threads of a process. Job state changes that can race (claim,
-first token, finish, cancel) are single UPDATEs guarded by the current status, or run
-under a row lock (PostgreSQL) / the database write lock (SQLite).
+Store is shared by all threads of a process. On PostgreSQL the statements every job runs
+(claim, first token, end, insert, reads by id and key) are single statements, run in
+autocommit on the driver itself (store/hot.py; a group of inserts is one transaction).
+Job state changes that can race (claim, first token, finish, cancel) are single UPDATEs
+guarded by the current status, or run under a row lock (PostgreSQL) / the database write
+lock (SQLite).
 """
 
 from __future__ import annotations
