@@ -11,6 +11,8 @@ import redis
 from tidegate import keys
 from tidegate.records import Heartbeat
 
+SCAN_COUNT = 1000  # keys a SCAN call walks (read_fleet)
+
 
 def read_fleet(client: redis.Redis, namespace: str) -> list[Heartbeat]:
     """Every worker heartbeating now, by name.
@@ -24,9 +26,6 @@ def read_fleet(client: redis.Redis, namespace: str) -> list[Heartbeat]:
     raws: Any = client.mget(found) if found else []
     fleet = [Heartbeat.from_json(raw) for raw in raws if raw]  # None: expired since
     return sorted(fleet, key=lambda hb: hb.name)
-
-
-SCAN_COUNT = 1000
 
 
 def read_heartbeat(client: redis.Redis, namespace: str, name: str) -> Heartbeat | None:

@@ -47,6 +47,7 @@ def register(app: Celery) -> None:
 
 
 EVENTS_FLUSH_S = 0.1  # task events wait at most this long to go out together
+LOST_FLUSH_S = 1.0  # a flush this late was lost: the next event schedules another
 
 
 class EventBatchingConsumer(Consumer):
@@ -56,12 +57,18 @@ class EventBatchingConsumer(Consumer):
     broker publish per event, from a task thread, which cost 8% of a worker's CPU under
     load (bench/README.md, "third round"). Flower sees an event up to 0.1 s later."""
 
-    _events_flush_due = False
+    _events_flush_at: float | None = None  # when the scheduled flush runs; None: none is
 
     def on_send_event_buffered(self) -> None:
-        if self.hub is None or self._events_flush_due:
+        if self.hub is None:
             return
-        self._events_flush_due = True
+        now = time.monotonic()
+        due = self._events_flush_at
+        # A flush long overdue was lost with the loop's timers (the consumer restarted
+        # after a broker outage): this event schedules a new one.
+        if due is not None and now < due + LOST_FLUSH_S:
+            return
+        self._events_flush_at = now + EVENTS_FLUSH_S
         # Called from task threads: the loop's own thread schedules the flush (call_soon
         # is the hub's thread-safe entry, as in Celery's on_send_event_buffered).
         self.hub.call_soon(self._schedule_events_flush)
@@ -70,7 +77,7 @@ class EventBatchingConsumer(Consumer):
         self.hub.call_later(EVENTS_FLUSH_S, self._flush_buffered_events)
 
     def _flush_buffered_events(self) -> None:
-        self._events_flush_due = False
+        self._events_flush_at = None
         self._flush_events()
 
     def shutdown(self) -> None:
