@@ -43,10 +43,13 @@ def make_engine(url: str | URL, **options: Any) -> Engine:
     # checkout: a round trip that was a tenth of a submit's and of a job's store time).
     # SQLAlchemy's default pool keeps 5 connections (15 at most): a worker's task threads
     # opened and closed a connection for each statement over 5, 1 in 10 of its CPU
-    # samples under load (bench/README.md). 12 kept, 16 at most: six processes (four
-    # workers, the API, the scheduler) stay under PostgreSQL's default max_connections.
-    options.setdefault("pool_size", 12)
-    options.setdefault("max_overflow", 4)
+    # samples under load (bench/README.md). 16 at most: six processes (four workers, the
+    # API, the scheduler) stay under PostgreSQL's default max_connections. All 16 are kept:
+    # with 12 kept and 4 more on demand, the pool still closed and opened connections
+    # under load, 3.4% of a worker's CPU (bench/README.md, "fourth round"); a thread
+    # past the 16th waits for one to come back.
+    options.setdefault("pool_size", 16)
+    options.setdefault("max_overflow", 0)
     engine = create_engine(parsed, **options)
     if not options.get("pool_pre_ping"):
         _ping_when_idle(engine, PING_WHEN_IDLE_S)

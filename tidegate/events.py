@@ -6,9 +6,10 @@ Kinds: ``started`` (seq 0), ``token`` (new text of one engine step), then one te
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import orjson
 
 Kind = Literal["started", "token", "done", "error"]
 TERMINAL: frozenset[str] = frozenset({"done", "error"})
@@ -24,10 +25,12 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)  # started/done/error details
 
     def to_json(self) -> str:
-        # Built by hand: asdict() deep-copies, and this runs once per token.
+        # Built by hand: asdict() deep-copies, and this runs once per token. orjson, not
+        # json: 0.2 us against 4.4 us a call (bench/README.md, "fourth round"); the same
+        # text as json.dumps(ensure_ascii=False, separators=(",", ":")).
         body = {"job_id": self.job_id, "seq": self.seq, "kind": self.kind, "text": self.text,
                 "token_ids": self.token_ids, "data": self.data}
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        return orjson.dumps(body).decode()
 
     def stream_fields(self) -> dict[str, str]:
         """The job stream entry: the event's JSON and, apart, its kind, so a reader can
@@ -36,7 +39,7 @@ class Event:
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Event:
-        body = json.loads(raw)
+        body = orjson.loads(raw)
         return cls(**body)
 
     @property

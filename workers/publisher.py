@@ -25,25 +25,52 @@ from workers.lease import Lease, LeaseLost
 
 log = logging.getLogger("tidegate.worker")
 
-# KEYS: lease, stream. ARGV: owner, entry id, event JSON, kind, maxlen, channel, stream
-# TTL (0: none), lease TTL, mode, write time. A lapsed lease nobody else took is taken back
-# (workers/lease.py). The entry id is the event's seq, so Redis refuses a second append of
-# one seq. Modes: "next" (an event after the first: -1 if the stream is gone), "first",
-# "restore" (an event written back: not published again on the live channel).
-# The entry's `t` is the worker's time.time() when it sent this write (seconds, a decimal
-# string; a written-back event gets the time of the write-back): readers of the event
-# read `e` and `k` only; `t` is for measuring delivery (bench/frontdoor.py). New ARGVs go
-# at the end, so the order above stays as it is.
-APPEND = """
-local holder = redis.call('GET', KEYS[1])
-if holder and holder ~= ARGV[1] then return 0 end
-if ARGV[9] == 'next' and redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-if not holder then redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[8]) end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], ARGV[2], 'e', ARGV[3], 'k', ARGV[4],
-           't', ARGV[10])
-if ARGV[9] ~= 'restore' then redis.call('PUBLISH', ARGV[6], ARGV[3]) end
-if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[2], ARGV[7]) end
-return 1
+# One event's append, as a Lua function of its two keys and the offset of its ARGVs.
+# Keys: lease, stream. ARGVs (from o + 1): owner, entry id, event JSON, kind, maxlen,
+# channel, stream TTL (0: none), lease TTL, mode, write time. A lapsed lease nobody else
+# took is taken back (workers/lease.py). The entry id is the event's seq, so Redis refuses
+# a second append of one seq (the XADD error is returned, not raised: a batch goes on).
+# Modes: "next" (an event after the first: -1 if the stream is gone), "first", "restore"
+# (an event written back: not published again on the live channel). The entry's `t` is
+# the worker's time.time() when it sent this write (seconds, a decimal string; a
+# written-back event gets the time of the write-back): readers of the event read `e` and
+# `k` only; `t` is for measuring delivery (bench/frontdoor.py). New ARGVs go at the end,
+# so the order above stays as it is, and ARGS_PER_EVENT grows with them.
+APPEND_FUNCTION = """
+local function append(lease, stream, o)
+  local holder = redis.call('GET', lease)
+  if holder and holder ~= ARGV[o + 1] then return 0 end
+  if ARGV[o + 9] == 'next' and redis.call('EXISTS', stream) == 0 then return -1 end
+  if not holder then redis.call('SET', lease, ARGV[o + 1], 'EX', ARGV[o + 8]) end
+  local added = redis.pcall('XADD', stream, 'MAXLEN', '~', ARGV[o + 5], ARGV[o + 2],
+                            'e', ARGV[o + 3], 'k', ARGV[o + 4], 't', ARGV[o + 10])
+  if type(added) == 'table' and added.err then return added end
+  if ARGV[o + 9] ~= 'restore' then redis.call('PUBLISH', ARGV[o + 6], ARGV[o + 3]) end
+  if ARGV[o + 7] ~= '0' then redis.call('EXPIRE', stream, ARGV[o + 7]) end
+  return 1
+end
+"""
+ARGS_PER_EVENT = 10
+
+# One event: 1 appended, 0 the lease is another's, -1 the stream is gone; Redis's XADD
+# error (a seq appended before) comes back as the script's error.
+APPEND = APPEND_FUNCTION + "return append(KEYS[1], KEYS[2], 0)\n"
+
+# Many jobs' events at once (workers/streamer.py), KEYS and ARGVs one event after the
+# other: an answer per event, as APPEND's, with DUPLICATE for a seq appended before. Any
+# other error ends the script with it: the events before it are appended, the rest not.
+DUPLICATE = 2
+APPEND_MANY = APPEND_FUNCTION + f"""
+local answers = {{}}
+for i = 1, #KEYS / 2 do
+  local answer = append(KEYS[2 * i - 1], KEYS[2 * i], (i - 1) * {ARGS_PER_EVENT})
+  if type(answer) == 'table' then
+    if not string.find(answer.err, 'equal or smaller', 1, true) then return answer end
+    answer = {DUPLICATE}
+  end
+  answers[i] = answer
+end
+return answers
 """
 
 
@@ -65,6 +92,7 @@ class EventPublisher:
         self.maxlen = maxlen
         self.ttl_s = ttl_s
         self._append: Any = client.register_script(APPEND)
+        self._append_many: Any = client.register_script(APPEND_MANY)
 
     def publish(self, event: Event, lease: Lease, history: Sequence[Event] = ()) -> bool:
         """Append and publish; False when this seq was already appended (a duplicate);
@@ -118,10 +146,15 @@ class EventPublisher:
     def append_sha(self) -> str:
         return str(self._append.sha)
 
+    @property
+    def append_many_sha(self) -> str:
+        return str(self._append_many.sha)
+
     def load_append(self) -> None:
-        """Load the append script into Redis (a restarted Redis has lost it): for callers
-        that send it by its sha in a pipeline (workers/streamer.py)."""
+        """Load the append scripts into Redis (a restarted Redis has lost them): for
+        callers that send them by their sha in a pipeline (workers/streamer.py)."""
         self.r.script_load(APPEND)
+        self.r.script_load(APPEND_MANY)
 
     def append_call(self, event: Event, lease: Lease, mode: str) -> tuple[list[str], list[Any]]:
         """The append script's keys and arguments for one event."""
@@ -129,6 +162,7 @@ class EventPublisher:
         args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
                 keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0,
                 lease.ttl_s, mode, repr(time.time())]
+        assert len(args) == ARGS_PER_EVENT
         return [lease.key, keys.job_events(self.ns, event.job_id)], args
 
     def state(self, job_id: str) -> StreamState:

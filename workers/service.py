@@ -84,6 +84,13 @@ def engine_logs_like_ours(settings: Settings) -> None:
                        "TORCH_CPP_LOG_LEVEL": "ERROR"})
 
 
+# Celery's line for each task received ("Task ... received"), at INFO: 3.3% of a worker's
+# CPU under load (bench/README.md, "fourth round"), and nothing its "succeeded" line and
+# the task-received event (Flower) do not already say. Warnings and errors still come,
+# and TIDEGATE_LOG_LEVEL=debug brings it back.
+QUIET_LOGGERS = {"celery.worker.strategy": "WARNING"}
+
+
 def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
                loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm",
                standby: bool = False, cpus: str | None = None,
@@ -109,7 +116,9 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
     if port:  # a taken port stops the worker now, not after minutes of engine loading
         worker_metrics.check_port(settings.metrics_host, port)
     logs.set_process_fields(worker=name)
-    logs.setup_logging(settings, "worker", job_tasks=[GENERATE])
+    quiet = settings.log_level.upper() != "DEBUG"
+    logs.setup_logging(settings, "worker", job_tasks=[GENERATE],
+                       loggers=QUIET_LOGGERS if quiet else None)
     engine_logs_like_ours(settings)
     lower_cpu_priority(settings.lanes[lane].cpu_nice)
     celery_hooks.register(celery_app)

@@ -5,9 +5,10 @@ Before this, each job's task thread woke at every engine step and wrote its even
 round trip of its own: at GPU speed, a wake-up and a round trip per token per job, the
 worker's largest cost per token (bench/README.md). Now the engine host hands each delta
 to the job's feed here (on the engine's loop thread: an append under a lock), and the
-streamer's thread takes what every feed holds, and sends one pipeline of the publisher's
-lease-checked appends (workers/publisher.py). A job's task thread wakes at its first
-token, to write it to the store, and at its end.
+streamer's thread takes what every feed holds, and sends it in one call of the
+publisher's lease-checked append script for many events (workers/publisher.py
+APPEND_MANY: a Redis command per event was twice the client CPU of one for them all).
+A job's task thread wakes at its first token, to write it to the store, and at its end.
 
 Whatever is off that path goes back to the job's task thread, which then publishes the
 rest of its events one at a time as before (workers/runner.py), with its retries, its
@@ -35,7 +36,7 @@ from tidegate.events import Event
 from workers.engine import Delta
 from workers.host import merge, name_os_thread
 from workers.progress import Progress
-from workers.publisher import EventPublisher, is_duplicate
+from workers.publisher import DUPLICATE, EventPublisher, is_duplicate
 
 log = logging.getLogger("tidegate.worker")
 
@@ -223,26 +224,44 @@ class Streamer:
             return [feed for feed in self._feeds.values() if feed.fast]
 
     def _send(self, takes: list[_Take], watched: list[Feed]) -> tuple[list[Any], list[Feed]]:
-        """One round trip: every take's append, and one EXISTS over the cancel keys
-        watched; (an answer per take, the feeds whose job was cancelled)."""
+        """One round trip: every take's append in one script call, and one EXISTS over the
+        cancel keys watched; (an answer per take, the feeds whose job was cancelled)."""
         pipe = self.r.pipeline(transaction=False)
-        sha = self.publisher.append_sha
-        for take in takes:
-            if take.event is not None:
-                mode = "next" if take.event.seq > 0 else "first"
-                script_keys, args = self.publisher.append_call(take.event,
-                                                               take.feed.progress.lease, mode)
-                pipe.evalsha(sha, 2, *script_keys, *args)
+        appending = [take for take in takes if take.event is not None]
+        if appending:
+            script_keys, args = self._append_many_call(appending)
+            pipe.evalsha(self.publisher.append_many_sha, len(script_keys), *script_keys, *args)
         if watched:
             pipe.exists(*[feed.cancel_key for feed in watched])
         replies = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
-        answers = [next(replies) if take.event is not None else 1 for take in takes]
+        appended = iter(self._answers(next(replies), len(appending)) if appending else ())
+        answers = [next(appended) if take.event is not None else 1 for take in takes]
         cancelled: list[Feed] = []
         if watched:
             count = next(replies)
             if isinstance(count, int) and count > 0:  # rare: find which
                 cancelled = [feed for feed in watched if self.r.exists(feed.cancel_key)]
         return answers, cancelled
+
+    def _append_many_call(self, takes: list[_Take]) -> tuple[list[str], list[Any]]:
+        script_keys: list[str] = []
+        args: list[Any] = []
+        for take in takes:
+            assert take.event is not None
+            mode = "next" if take.event.seq > 0 else "first"
+            event_keys, event_args = self.publisher.append_call(take.event,
+                                                                take.feed.progress.lease, mode)
+            script_keys += event_keys
+            args += event_args
+        return script_keys, args
+
+    @staticmethod
+    def _answers(reply: Any, n: int) -> list[Any]:
+        """The batch script's reply as an answer per event, as the one-event script's: 1
+        for an event appended before (it is there), the error for all when it failed."""
+        if isinstance(reply, BaseException) or not isinstance(reply, list) or len(reply) != n:
+            return [reply] * n
+        return [1 if answer == DUPLICATE else answer for answer in reply]
 
     def _settle(self, take: _Take, answer: Any) -> None:
         """Under the lock: the take's answer applied to its job."""

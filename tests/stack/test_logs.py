@@ -125,6 +125,11 @@ def test_every_line_is_json_and_names_its_job(stack: Stack, scheduler: Proc) -> 
     line = worker_line_of_done_job()
     assert line is not None and line["process"] == "worker"
     assert (line["lane"], line["worker"], line["attempt"]) == (LANE, stack.workers[LANE], 1)
+    # Celery's line for each task received is off at INFO (workers/service.py); its
+    # "succeeded" line stays.
+    about_done = [r["message"] for r in by_file[worker.log_path][0] if r.get("job_id") == done]
+    assert any(" succeeded in " in m for m in about_done), about_done
+    assert not any(m.endswith(" received") for m in about_done), about_done
     assert {r["process"] for r in by_file[scheduler.log_path][0]} == {"scheduler"}
 
     texts = [mark] + ([row.output_text] if len(row.output_text) >= 32 else [])

@@ -120,6 +120,23 @@ def test_a_lost_lease_hands_the_job_back_with_its_unpublished_tokens(
     assert [e.seq for e in stream_of(client, "job-lost")] == [0, 1]
 
 
+def test_an_event_appended_before_counts_as_out_and_the_others_still_go(
+        client: redis.Redis, streamer: Streamer) -> None:
+    """A seq already in its stream (an earlier write whose reply was lost) is refused by
+    Redis; the batch takes it as out, and every other job's event is appended."""
+    again, other = (open_job(client, streamer, job) for job in ("job-again", "job-other"))
+    earlier = Event(job_id="job-again", seq=1, kind="token", text="t0 ", token_ids=[0])
+    assert streamer.publisher.publish(earlier, again.progress.lease)
+    again.put(token(0))
+    other.put(token(0))
+    for feed in (again, other):
+        assert [kind for kind, _ in _until(feed, FIRST)] == [FIRST]
+        feed.close(None)
+        assert [kind for kind, _ in messages(feed)] == [END]
+        assert [(e.seq, e.text) for e in stream_of(client, feed.job_id)][1:] == [(1, "t0 ")]
+        assert feed.progress.seq == 2
+
+
 def test_a_cancel_key_stops_the_job_and_publishes_nothing_more(
         client: redis.Redis, streamer: Streamer) -> None:
     feed = open_job(client, streamer, "job-cancel")
