@@ -162,8 +162,28 @@ class EventPublisher:
         args = [lease.owner, keys.stream_id(event.seq), fields["e"], fields["k"], self.maxlen,
                 keys.job_live(self.ns, event.job_id), self.ttl_s if event.terminal else 0,
                 lease.ttl_s, mode, repr(time.time())]
-        assert len(args) == ARGS_PER_EVENT
         return [lease.key, keys.job_events(self.ns, event.job_id)], args
+
+    def append_many_call(self, calls: Sequence[tuple[Event, Lease]]
+                         ) -> tuple[list[str], list[Any]]:
+        """APPEND_MANY's keys and arguments for these events (each after its job's first:
+        the streamer's token events), one event's after the other."""
+        script_keys: list[str] = []
+        args: list[Any] = []
+        for event, lease in calls:
+            event_keys, event_args = self.append_call(event, lease,
+                                                      "next" if event.seq > 0 else "first")
+            script_keys += event_keys
+            args += event_args
+        return script_keys, args
+
+    @staticmethod
+    def many_answers(reply: Any, n: int) -> list[Any]:
+        """APPEND_MANY's reply as an answer per event, as APPEND's: 1 also for an event
+        appended before (it is there); the reply itself for all when the call failed."""
+        if isinstance(reply, BaseException) or not isinstance(reply, list) or len(reply) != n:
+            return [reply] * n
+        return [1 if answer == DUPLICATE else answer for answer in reply]
 
     def state(self, job_id: str) -> StreamState:
         return self.state_of(self.r.xrange(keys.job_events(self.ns, job_id)))

@@ -36,7 +36,7 @@ from tidegate.events import Event
 from workers.engine import Delta
 from workers.host import merge, name_os_thread
 from workers.progress import Progress
-from workers.publisher import DUPLICATE, EventPublisher, is_duplicate
+from workers.publisher import EventPublisher, is_duplicate
 
 log = logging.getLogger("tidegate.worker")
 
@@ -227,14 +227,16 @@ class Streamer:
         """One round trip: every take's append in one script call, and one EXISTS over the
         cancel keys watched; (an answer per take, the feeds whose job was cancelled)."""
         pipe = self.r.pipeline(transaction=False)
-        appending = [take for take in takes if take.event is not None]
-        if appending:
-            script_keys, args = self._append_many_call(appending)
+        calls = [(take.event, take.feed.progress.lease) for take in takes
+                 if take.event is not None]
+        if calls:
+            script_keys, args = self.publisher.append_many_call(calls)
             pipe.evalsha(self.publisher.append_many_sha, len(script_keys), *script_keys, *args)
         if watched:
             pipe.exists(*[feed.cancel_key for feed in watched])
         replies = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
-        appended = iter(self._answers(next(replies), len(appending)) if appending else ())
+        appended = iter(self.publisher.many_answers(next(replies), len(calls))
+                        if calls else ())
         answers = [next(appended) if take.event is not None else 1 for take in takes]
         cancelled: list[Feed] = []
         if watched:
@@ -242,26 +244,6 @@ class Streamer:
             if isinstance(count, int) and count > 0:  # rare: find which
                 cancelled = [feed for feed in watched if self.r.exists(feed.cancel_key)]
         return answers, cancelled
-
-    def _append_many_call(self, takes: list[_Take]) -> tuple[list[str], list[Any]]:
-        script_keys: list[str] = []
-        args: list[Any] = []
-        for take in takes:
-            assert take.event is not None
-            mode = "next" if take.event.seq > 0 else "first"
-            event_keys, event_args = self.publisher.append_call(take.event,
-                                                                take.feed.progress.lease, mode)
-            script_keys += event_keys
-            args += event_args
-        return script_keys, args
-
-    @staticmethod
-    def _answers(reply: Any, n: int) -> list[Any]:
-        """The batch script's reply as an answer per event, as the one-event script's: 1
-        for an event appended before (it is there), the error for all when it failed."""
-        if isinstance(reply, BaseException) or not isinstance(reply, list) or len(reply) != n:
-            return [reply] * n
-        return [1 if answer == DUPLICATE else answer for answer in reply]
 
     def _settle(self, take: _Take, answer: Any) -> None:
         """Under the lock: the take's answer applied to its job."""
