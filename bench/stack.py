@@ -231,7 +231,7 @@ def bench_database(tmp: Path, postgresql: bool) -> Iterator[str]:
     from sqlalchemy.exc import OperationalError
 
     try:
-        with private_database(f"tidegate_bench_{os.getpid()}") as url:
+        with private_database("tidegate_bench") as url:
             yield url
     except OperationalError as exc:
         raise SystemExit(f"this benchmark needs PostgreSQL at 127.0.0.1:5432: {exc}") from None

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,9 +23,11 @@ def pg_admin(sql: str) -> None:
 
 
 @contextmanager
-def private_database(name: str) -> Iterator[str]:
-    """A fresh, empty database `name` (dropped first if left over, and after use); yields
-    its URL. An unreachable server raises sqlalchemy's OperationalError."""
+def private_database(prefix: str) -> Iterator[str]:
+    """A fresh, empty database (dropped first if left over, and after use); yields its URL.
+    Its name is `prefix` and this process's id, so two test or benchmark sessions on one
+    server never drop each other's. An unreachable server raises OperationalError."""
+    name = f"{prefix}_{os.getpid()}"
     pg_admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     pg_admin(f"CREATE DATABASE {name}")
     try:

@@ -90,19 +90,48 @@ def test_a_lora_job_goes_to_the_worker_with_the_adapter(stack: Stack, pools: Poo
     assert len(ids(tuned_events)) == 24 and ids(tuned_events) != ids(plain_events)
 
 
+def backlog_on_fallback(stack: Stack, pools: Pools, priorities: list[int],
+                        **options: object) -> tuple[list[tuple[int, str]], dict]:
+    """A first job holds the fallback worker's one slot (the worker's fault hold keeps it
+    there after its first token, however fast the engine) while jobs of `priorities`
+    arrive in that order; then the slot is released and every job streams to its end.
+    Returns the arrivals as (priority, job_id) and every job's row."""
+    hold([pools.fallback], 1)
+    try:
+        with Client(stack.base_url, stack.api_key) as client:
+            blocker = client.submit("support", prompt=PROMPT, max_tokens=64,
+                                    **options)["job_id"]
+            wait_until(lambda: engine_stats(pools.fallback)["held"] == blocker, 60,
+                       "the fallback worker to hold the first job in its slot",
+                       [pools.procs["fallback"]], poll_s=0.1)
+            arrivals = [(priority, client.submit("support", prompt=PROMPT, max_tokens=2,
+                                                 priority=priority, **options)["job_id"])
+                        for priority in priorities]
+            hold([pools.fallback], 0)
+            for job_id in [blocker, *(j for _, j in arrivals)]:
+                assert list(client.stream(job_id))[-1].kind == "done"
+            rows = {j: client.job(j) for j in [blocker, *(j for _, j in arrivals)]}
+    finally:
+        hold([pools.fallback], 0)
+    # The backlog was real: every job arrived while the first one held the slot.
+    assert max(at(rows, j, "enqueued_at") for _, j in arrivals) < at(rows, blocker,
+                                                                     "finished_at")
+    return arrivals, rows
+
+
+def at(rows: dict, job_id: str, name: str) -> datetime:
+    value = rows[job_id][name]  # the SDK's Job: a datetime
+    assert isinstance(value, datetime)
+    return value
+
+
 def test_higher_priority_starts_first_under_a_backlog(stack: Stack, pools: Pools) -> None:
-    """The fallback worker has one slot: while a long job holds it, the others wait in
-    Redis, and the more urgent ones are started first whatever their arrival order."""
-    with Client(stack.base_url, stack.api_key) as client:
-        blocker = client.submit("support", prompt=PROMPT, max_tokens=1500, lora="support")
-        low = [client.submit("support", prompt=PROMPT, max_tokens=2, lora="support",
-                             priority=1)["job_id"] for _ in range(3)]
-        high = [client.submit("support", prompt=PROMPT, max_tokens=2, lora="support",
-                              priority=8)["job_id"] for _ in range(3)]
-        for job_id in [blocker["job_id"], *low, *high]:
-            assert list(client.stream(job_id))[-1].kind == "done"
-        started = {j: client.job(j)["started_at"] for j in low + high}
-    assert max(started[j] for j in high) < min(started[j] for j in low)
+    """LoRA jobs go to the fallback worker, whose one slot is held: the urgent ones,
+    arrived last, are started before the others."""
+    arrivals, rows = backlog_on_fallback(stack, pools, [1, 1, 1, 8, 8, 8], lora="support")
+    assert {rows[j]["worker"] for _, j in arrivals} == {pools.fallback}
+    started = {p: [at(rows, j, "started_at") for q, j in arrivals if q == p] for p in (1, 8)}
+    assert max(started[8]) < min(started[1])
 
 
 def test_a_session_sticks_to_its_worker_then_moves_when_it_dies(stack: Stack,
@@ -134,33 +163,9 @@ def test_new_jobs_go_to_the_fallback_once_the_primary_is_gone(stack: Stack,
 def test_the_lane_queue_serves_priority_first_then_arrival_order(stack: Stack,
                                                                  pools: Pools) -> None:
     """Plain jobs now go to the fallback pool's queue, which its one-slot worker takes one
-    at a time. While a job holds the slot (the worker's fault hold keeps it there after its
-    first token, however fast the engine), jobs of two priorities arrive interleaved: the
+    at a time. Jobs of two priorities arrive interleaved while its slot is held: the
     urgent ones start first, and each priority starts in its arrival order."""
-    hold([pools.fallback], 1)
-    try:
-        with Client(stack.base_url, stack.api_key) as client:
-            blocker = client.submit("support", prompt=PROMPT, max_tokens=64)["job_id"]
-            wait_until(lambda: engine_stats(pools.fallback)["held"] == blocker, 60,
-                       "the fallback worker to hold the first job in its slot",
-                       [pools.procs["fallback"]], poll_s=0.1)
-            arrivals = [(priority, client.submit("support", prompt=PROMPT, max_tokens=2,
-                                                 priority=priority)["job_id"])
-                        for _ in range(3) for priority in (1, 8)]
-            hold([pools.fallback], 0)
-            for job_id in [blocker, *(j for _, j in arrivals)]:
-                assert list(client.stream(job_id))[-1].kind == "done"
-            rows = {j: client.job(j) for j in [blocker, *(j for _, j in arrivals)]}
-    finally:
-        hold([pools.fallback], 0)
+    arrivals, rows = backlog_on_fallback(stack, pools, [1, 8] * 3)
     assert {r["queue"] for r in rows.values()} == {"support.fallback"}
-
-    def at(job_id: str, name: str) -> datetime:
-        value = rows[job_id][name]  # the SDK's Job: a datetime
-        assert isinstance(value, datetime)
-        return value
-
-    # The backlog was real: every job arrived while the first one held the slot.
-    assert max(at(j, "enqueued_at") for _, j in arrivals) < at(blocker, "finished_at")
-    started = sorted((j for _, j in arrivals), key=lambda j: at(j, "started_at"))
+    started = sorted((j for _, j in arrivals), key=lambda j: at(rows, j, "started_at"))
     assert started == [j for p, j in arrivals if p == 8] + [j for p, j in arrivals if p == 1]
