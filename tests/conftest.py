@@ -7,6 +7,7 @@ conftest) starts a private Redis, the database and real worker and API processes
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -45,3 +46,17 @@ def model_path() -> Path:
     from tidegate_tools.testmodel import build_test_model
 
     return build_test_model(Path(os.environ["TIDEGATE_MODEL"]))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The temp root goes once every test passed (a full run leaves about 90 MB of logs
+    and databases); after a failure it stays, for the processes' logs. Session fixtures
+    have stopped their processes by now."""
+    if exitstatus == pytest.ExitCode.OK:
+        shutil.rmtree(TMP, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            exitstatus: int) -> None:
+    if exitstatus != pytest.ExitCode.OK:
+        terminalreporter.write_line(f"the processes' logs and databases are kept in {TMP}")
