@@ -32,8 +32,11 @@ loop). Same clock everywhere (time.time()).
     .venv/bin/python bench/frontdoor.py                # 64, 256, 1024, 2048 streams
     .venv/bin/python bench/frontdoor.py --quick        # a smoke run, well under a minute
     .venv/bin/python bench/frontdoor.py --levels 64,256
+    .venv/bin/python bench/frontdoor.py --levels 64,256 --profile paced
+    .venv/bin/python bench/frontdoor.py --levels 256 --profile paced --spread 0.5
 
-Writes bench/results/frontdoor.{md,png,json}; the last stdout line is the JSON summary.
+Writes bench/results/frontdoor.{md,png,json} (frontdoor-<profile>[-spread<percent>].* for
+another sim profile or a spread); the last stdout line is the JSON summary.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -89,6 +93,7 @@ NAMESPACE = "tgbench"  # bench/stack.py's tidegate_env
 PROFILE = "llama-3.1-8b-fp8-h100"
 ENGINE_THREAD = "tidegate-engine"  # workers/host.py ENGINE_THREAD
 LEVELS = (64, 256, 1024, 2048)
+SPREAD_SEED = 20261206  # the streamed jobs' lengths with --spread
 HEADLINE = 256  # the level the JSON's top-level figures come from
 TEMPERATURE = 0.8
 ADMIT_MAX_TOKENS = 1  # admit phase: the workers' fixed cost per job, not per token
@@ -121,6 +126,17 @@ class Config:
     warm_s: float  # each phase's warm-up before its window
     window_s: float  # each phase's measured window
     postgresql: bool
+    profile: str = PROFILE  # the sim workers' timing (workers/sim_profiles.toml)
+    # A streamed job's max_tokens is drawn from max_tokens x (1 +/- spread), seeded. With
+    # none, jobs started in one engine step end in one step, and their clients submit again
+    # together: the closed loop keeps them in lock-step bursts.
+    spread: float = 0.0
+
+    @property
+    def name(self) -> str:
+        """The results' file name: other settings' figures never overwrite the bars'."""
+        name = "frontdoor" if self.profile == PROFILE else f"frontdoor-{self.profile}"
+        return name + (f"-spread{round(self.spread * 100)}" if self.spread else "")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -136,15 +152,23 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--lane", default="chat")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per streamed job")
     p.add_argument("--window-s", type=float, default=None, help="measured window per phase")
+    p.add_argument("--profile", default=PROFILE,
+                   help=f"sim profile of workers/sim_profiles.toml (default {PROFILE})")
+    p.add_argument("--spread", type=float, default=0.0,
+                   help="streamed jobs' max_tokens drawn from max-tokens x (1 +/- spread), "
+                        "0 <= spread < 1 (default 0: every job the same length)")
     p.add_argument("--sqlite", action="store_true",
                    help="the store in a SQLite file (default: a private PostgreSQL database)")
     a = p.parse_args(argv)
+    if not 0 <= a.spread < 1:
+        p.error(f"--spread {a.spread}: must be at least 0 and below 1")
     quick = a.quick
     levels = a.levels or ("16,64" if quick else ",".join(map(str, LEVELS)))
     return Config(levels=tuple(int(x) for x in levels.split(",") if x.strip()),
                   workers=a.workers or (2 if quick else 4), slots=a.slots or (64 if quick else 512),
                   lane=a.lane, max_tokens=a.max_tokens, warm_s=2.0 if quick else 5.0,
-                  window_s=a.window_s or (5.0 if quick else 15.0), postgresql=not a.sqlite)
+                  window_s=a.window_s or (5.0 if quick else 15.0), postgresql=not a.sqlite,
+                  profile=a.profile, spread=a.spread)
 
 
 # ---------------------------------------------------------------- CPU from /proc
@@ -489,13 +513,16 @@ async def stream_phase(client: Client, meter: CpuMeter, n: int, cfg: Config) -> 
     result = StreamResult(Window(t0 + cfg.warm_s, t0 + cfg.warm_s + cfg.window_s))
     ramp_s = min(1.0, cfg.warm_s / 2)
 
+    lengths = random.Random(SPREAD_SEED + n)
+
     async def streamer(i: int) -> None:
         await asyncio.sleep(ramp_s * i / n)
         while time.time() < result.window.end:
             trace = JobTrace(submit_at=time.time())
             result.traces.append(trace)
+            spread = cfg.spread * (2 * lengths.random() - 1)
             try:
-                await client.stream_job(trace, cfg.max_tokens)
+                await client.stream_job(trace, max(1, round(cfg.max_tokens * (1 + spread))))
             except (aiohttp.ClientError, TimeoutError) as exc:
                 trace.error = type(exc).__name__
 
@@ -674,7 +701,7 @@ def frontdoor_stack(tmp: Path, cfg: Config) -> Iterator[Bench]:
         store = Store(db_url)
         tenant, key = store.create_tenant("frontdoor", [cfg.lane])
         store.engine.dispose()
-        env = {**tidegate_env(db_url, cfg.slots), **UNCAPPED, "TIDEGATE_SIM_PROFILE": PROFILE}
+        env = {**tidegate_env(db_url, cfg.slots), **UNCAPPED, "TIDEGATE_SIM_PROFILE": cfg.profile}
         with running_stack(env, specs, tmp / "logs", private_redis=True,
                            timeout_s=START_TIMEOUT_S) as stack:
             assert stack.redis_url is not None
@@ -849,6 +876,13 @@ def _series_label(key: str) -> str:
     return key.removesuffix("_ms").rsplit("_", 1)[-1]  # p50, p99
 
 
+def _lengths(cfg: Config) -> str:
+    if not cfg.spread:
+        return f"{cfg.max_tokens} (every job the same: lock-step resubmits, see the notes)"
+    low, high = (max(1, round(cfg.max_tokens * (1 + d * cfg.spread))) for d in (-1, 1))
+    return f"{low}-{high}, uniform (seed {SPREAD_SEED} + the level)"
+
+
 def setup_lines(cfg: Config, bench_wall_s: float) -> dict[str, Any]:
     host = machine()
     return {"path": "client -> one `tidegate api` -> private redis-server -> Celery sim "
@@ -857,8 +891,9 @@ def setup_lines(cfg: Config, bench_wall_s: float) -> dict[str, Any]:
                      else "private SQLite file (WAL)",
             "workers": f"{cfg.workers} x `tidegate worker --engine sim --pool vllm`, lane "
                        f"`{cfg.lane}`, {cfg.slots} engine slots (= Celery threads) each",
-            "sim profile": PROFILE, "levels (concurrent streams)": ", ".join(map(str, cfg.levels)),
-            "streamed job": f"short prompt, max_tokens {cfg.max_tokens}, temperature "
+            "sim profile": cfg.profile,
+            "levels (concurrent streams)": ", ".join(map(str, cfg.levels)),
+            "streamed job": f"short prompt, max_tokens {_lengths(cfg)}, temperature "
                             f"{TEMPERATURE} (the sim runs every job to max_tokens)",
             "admit-phase job": f"max_tokens {ADMIT_MAX_TOKENS}",
             "warm-up / window per phase (s)": f"{cfg.warm_s:g} / {cfg.window_s:g} (admit "
@@ -882,6 +917,11 @@ NOTES = [
     "clients stop when the window ends and the jobs still running are cancelled, since at "
     "high N a job takes minutes on 2 cores. Delivery lag and tokens/s count the events "
     "received inside the window.",
+    "Lengths (`--spread`): with every streamed job the same length, the jobs an engine step "
+    "started end in one step, and their clients submit again together: the closed loop "
+    "keeps them in bursts, each admitted one after the other, and a job's queue TTFT "
+    "holds its wait behind its burst. `--spread` draws each job's length around "
+    "max_tokens, which breaks the bursts up as they form, as varied traffic does.",
     "delivery lag = the client's receipt - the worker's time.time() when it sent the event's "
     "append (the stream entry's `t`), joined on the event id; it covers the append round "
     "trip, the API's XREAD wake-up, SSE framing and the client's own event loop.",
@@ -919,15 +959,15 @@ def report(cfg: Config, by_level: dict[int, dict[str, Any]], wall_s: float) -> d
               f"{f['admit_refused']}" for n, f in by_level.items()
               if f["stream_errors"] or f["admit_refused"]]
     setup = setup_lines(cfg, wall_s)
-    write_report(RESULTS / "frontdoor.md", "Front door: the queue's own cost (sim workers)",
+    write_report(RESULTS / f"{cfg.name}.md", "Front door: the queue's own cost (sim workers)",
                  "\n\n".join(tables), setup, notes)
-    plot(RESULTS / "frontdoor.png", by_level)
+    plot(RESULTS / f"{cfg.name}.png", by_level)
     head = by_level.get(HEADLINE) or by_level[min(by_level, key=lambda n: abs(n - HEADLINE))]
     out = {"benchmark": "frontdoor", "headline_concurrency": head["concurrency"],
            **{key: head[key] for key in BARS}, "bars": {k: list(v) for k, v in BARS.items()},
            "by_concurrency": {str(n): f for n, f in sorted(by_level.items())},
            "setup": setup, "wall_s": round(wall_s, 1)}
-    write_json(RESULTS / "frontdoor.json", out)
+    write_json(RESULTS / f"{cfg.name}.json", out)
     return out
 
 
@@ -951,8 +991,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             by_level[n] = measure_level(bench, meter, n, cfg)
     wall_s = time.monotonic() - started
     out = report(cfg, by_level, wall_s)
-    log(f"wrote {RESULTS}/frontdoor.md, .png, .json in {wall_s:.0f} s")
-    print((RESULTS / "frontdoor.md").read_text(), flush=True)
+    log(f"wrote {RESULTS}/{cfg.name}.md, .png, .json in {wall_s:.0f} s")
+    print((RESULTS / f"{cfg.name}.md").read_text(), flush=True)
     print_json_last(out)
     return 0
 
