@@ -88,6 +88,8 @@ from bench.stack import (  # noqa: E402
 from tidegate import keys  # noqa: E402
 from tidegate_tools.procs import Proc  # noqa: E402
 from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
+from workers.engine import EngineError  # noqa: E402
+from workers.sim_engine import load_profile  # noqa: E402
 
 NAMESPACE = "tgbench"  # bench/stack.py's tidegate_env
 PROFILE = "llama-3.1-8b-fp8-h100"
@@ -162,6 +164,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if not 0 <= a.spread < 1:
         p.error(f"--spread {a.spread}: must be at least 0 and below 1")
+    try:  # here, not minutes later in every worker's start
+        load_profile(a.profile)
+    except EngineError as exc:
+        p.error(f"--profile: {exc}")
     quick = a.quick
     levels = a.levels or ("16,64" if quick else ",".join(map(str, LEVELS)))
     return Config(levels=tuple(int(x) for x in levels.split(",") if x.strip()),
