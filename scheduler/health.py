@@ -7,6 +7,7 @@ would leave its lane below its minimum of active workers.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -19,7 +20,6 @@ from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
 
 STRIKES_TO_ACT = 2  # consecutive checks over the threshold before acting
-RESTART_TIMEOUT_S = 300
 
 
 def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
@@ -57,7 +57,7 @@ def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
         return {**base, "action": "restart_deferred",
                 "reason": f"lane {lane} would drop below its minimum of active workers"}
     lock = keys.scheduler_lock(settings.namespace, "restart", 0)
-    if not client.set(lock, name, nx=True, ex=RESTART_TIMEOUT_S):
+    if not client.set(lock, name, nx=True, ex=math.ceil(settings.restart_timeout_s)):
         return {**base, "action": "restart_deferred", "reason": "another restart is running"}
     try:
         return {**base, **rolling_restart(app, client, settings, hb)}
@@ -68,7 +68,7 @@ def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
 
 def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str) -> bool:
     """Until the worker heartbeats from a new process with its engine loaded."""
-    end = time.monotonic() + RESTART_TIMEOUT_S
+    end = time.monotonic() + settings.restart_timeout_s
     while time.monotonic() < end:
         hb = read_heartbeat(client, settings.namespace, name)
         if hb is not None and hb.boot != old_boot and hb.state == WorkerState.STANDBY:

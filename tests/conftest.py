@@ -34,6 +34,10 @@ os.environ.update({
     "TIDEGATE_SCHEDULER_METRICS_PORT": "0",
     # The tests' webhook receivers listen on 127.0.0.1 (tests/stack/test_webhooks.py).
     "TIDEGATE_WEBHOOK_ALLOW_PRIVATE": "true",
+    # A rolling restart's wait for the new process (tests/stack/test_standby.py): in two
+    # full runs on a loaded 2-core machine, a restarted worker's vLLM took over 5 minutes
+    # to start (it takes seconds when the test runs alone).
+    "TIDEGATE_RESTART_TIMEOUT_S": "600",
 })
 
 @pytest.fixture(scope="session")

@@ -120,6 +120,9 @@ class Settings(BaseSettings):
     reconcile_s: float = Field(2.0, gt=0)
     reconcile_grace_s: float = Field(5.0, gt=0)
     alloc_latency_threshold_ms: float = Field(200.0, gt=0)  # health: KV allocation latency
+    # health: how long a rolling restart waits for the worker's new process to load its
+    # engine and report standby (a GPU node's cold start is minutes: sim_profiles.toml)
+    restart_timeout_s: float = Field(300.0, gt=0)
     # Pre-warming (scheduler/autoscale.py): on, each lane is planned on the forecast
     # (history and declared peaks) one lead time ahead, and capacity for the next 30
     # minutes is asked for; off, reactive scaling only: planned on the mean arrivals of
