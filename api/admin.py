@@ -6,7 +6,7 @@ is announced to every API process (api/auth.py), so a revoked key is refused at 
     GET    /admin/v1/tenants                         every tenant
     POST   /admin/v1/tenants                         a tenant, and its first key (once)
     GET    /admin/v1/tenants/{name}                  one, with its keys (never the keys)
-    PATCH  /admin/v1/tenants/{name}                  lanes, limits, default webhook
+    PATCH  /admin/v1/tenants/{name}                  lanes, limits, default webhook, max_priority
     DELETE /admin/v1/tenants/{name}                  revoke the tenant (every key)
     POST   /admin/v1/tenants/{name}/keys             a new named key (once)
     POST   /admin/v1/tenants/{name}/keys/{id}/rotate a new key; the old one lives `overlap_s`
@@ -16,6 +16,7 @@ is announced to every API process (api/auth.py), so a revoked key is refused at 
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,22 +26,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.auth import announce_change, bearer_key
 from api.deps import Deps, check_headers, json_body
-from api.errors import ApiError, bad_request, not_found, unauthorized
+from api.errors import ApiError, bad_request, malformed, not_found, unauthorized
 from api.schemas import check_text
 from store import TenantExistsError, TenantRecord
 from store.tenants import KeyRecord, Tenants
-from tasks.webhooks import UrlRefused, check_url
+from tasks.webhooks import UrlMalformed, UrlRefused, check_url
 
 MAX_OVERLAP_S = 30 * 86400
+MAX_INT32 = 2**31 - 1
 
 
 class TenantSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lanes: list[str] | None = Field(None, min_length=1)
-    requests_per_minute: int | None = Field(None, gt=0)
-    tokens_per_minute: int | None = Field(None, gt=0)
+    # At most what the store's INTEGER columns hold (PostgreSQL's: 32 bits): a larger one
+    # was a 500 (found by tests/stack/test_fuzz.py).
+    requests_per_minute: int | None = Field(None, gt=0, le=MAX_INT32)
+    tokens_per_minute: int | None = Field(None, gt=0, le=MAX_INT32)
     webhook_url: str | None = Field(None, min_length=1, max_length=2048)
+    # The highest priority (0-9, 9 most urgent) its jobs may ask; null: each lane's default.
+    max_priority: int | None = Field(None, ge=0, le=9)
 
 
 class NewTenant(TenantSettings):
@@ -90,7 +96,9 @@ class _Routes:
         body = await json_body(request, self.deps)
         check_text(body)
         try:
-            return model.model_validate(body)
+            # Strict, as JSON has its types: `false` is not 0 and a number is not a date
+            # (found by tests/stack/test_fuzz.py); a date is an ISO 8601 string.
+            return model.model_validate_json(json.dumps(body), strict=True)
         except ValidationError as exc:
             err = exc.errors()[0]
             field = ".".join(str(p) for p in err["loc"]) or "body"
@@ -110,6 +118,8 @@ class _Routes:
         if settings.webhook_url is not None:
             try:
                 check_url(settings.webhook_url, self.deps.settings)
+            except UrlMalformed as exc:
+                raise malformed("webhook_url", f"webhook_url: {exc}") from None
             except UrlRefused as exc:
                 raise bad_request("webhook_url", f"webhook_url: {exc}") from None
 
@@ -128,7 +138,7 @@ class _Routes:
         try:
             record, key = await asyncio.to_thread(
                 self.deps.store.create_tenant, new.name, new.lanes, new.requests_per_minute,
-                new.tokens_per_minute)
+                new.tokens_per_minute, new.max_priority)
         except TenantExistsError:
             raise ApiError(409, "name", f"name: tenant {new.name!r} exists",
                            kind="conflict") from None
@@ -152,6 +162,8 @@ class _Routes:
         change: TenantSettings = await self._body(request, TenantSettings)
         self._check(change)
         values = change.model_dump(exclude_unset=True)
+        if "lanes" in values and values["lanes"] is None:  # null clears a limit, not the lanes
+            raise bad_request("lanes", "lanes: a tenant keeps one lane or more; not null")
         record = await asyncio.to_thread(self.tenants.update, name, **values)
         if record is None:
             raise not_found("tenant")
@@ -210,7 +222,8 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
     return {"id": t.id, "name": t.name, "lanes": list(t.lanes), "active": t.active,
             "created_at": _at(t.created_at), "revoked_at": _at(t.revoked_at),
             "requests_per_minute": t.requests_per_minute,
-            "tokens_per_minute": t.tokens_per_minute, "webhook_url": t.webhook_url}
+            "tokens_per_minute": t.tokens_per_minute, "webhook_url": t.webhook_url,
+            "max_priority": t.max_priority}
 
 
 def key_json(k: KeyRecord) -> dict[str, Any]:

@@ -9,8 +9,11 @@ queue, not the GIL, decides the order.
 
 Both waits are bounded. The queue holds at most `max_waiting` calls; one more is refused
 at once with a 503 (`overloaded`, Retry-After), not parked behind a backlog it would
-outwait. SSE streams, which hold a Redis connection each for as long as they are open, are
-counted here too (StreamSlots): in all and per tenant, each over its cap a 429.
+outwait. The key lookups of unknown callers (api/auth.py: a key never seen valid) rank
+after every other call and have a bound of their own (`max_unknown`): a flood of them
+is refused on its own and never takes a tenant's place in the queue. SSE streams, which
+hold a Redis connection each for as long as they are open, are counted here too
+(StreamSlots): in all and per tenant, each over its cap a 429.
 """
 
 from __future__ import annotations
@@ -32,32 +35,53 @@ STOP = (float("inf"),)  # sorts after every real rank
 
 class Admission:
     """`threads` threads running blocking calls by rank (lower first), then arrival; at
-    most `max_waiting` calls wait."""
+    most `max_waiting` calls wait, and beside them at most `max_unknown` of unknown
+    callers."""
 
-    def __init__(self, threads: int, max_waiting: int = 1000) -> None:
-        self.max_waiting = max_waiting
+    def __init__(self, threads: int, max_waiting: int = 1000, max_unknown: int = 64) -> None:
+        self.max_waiting, self.max_unknown = max_waiting, max_unknown
         self._pending: queue.PriorityQueue[tuple[Any, ...]] = queue.PriorityQueue()
         self._arrival = itertools.count()
+        self._unknown = 0  # unknown callers' calls waiting (under _lock)
+        self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._serve, name=f"api-admission-{i}",
                                           daemon=True) for i in range(threads)]
         for thread in self._threads:
             thread.start()
 
-    async def run(self, rank: tuple[float, ...], fn: Callable[..., T], *args: Any) -> T:
-        if self._pending.qsize() >= self.max_waiting:
-            raise unavailable(f"the API is overloaded: {self.max_waiting} requests wait to be "
-                              "admitted; retry in 1 s", retry_after_s=1, kind="overloaded")
+    async def run(self, rank: tuple[float, ...], fn: Callable[..., T], *args: Any,
+                  unknown_caller: bool = False) -> T:
+        """fn(*args) on an admission thread, in its turn. `unknown_caller`: a call made for
+        a caller not known yet (rank it last), counted against `max_unknown` only."""
+        self._admit(unknown_caller)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()
         # Run in the caller's context (as asyncio.to_thread does): the request's trace span
         # stays current in the admission thread, where the job row gets its trace id.
         call = contextvars.copy_context().run
-        self._pending.put((rank, next(self._arrival), call, (fn, *args), loop, done))
+        self._pending.put((rank, next(self._arrival), call, (fn, *args), loop, done,
+                           unknown_caller))
         return await done
+
+    def _admit(self, unknown_caller: bool) -> None:
+        """Takes a place in the queue, or raises 503 `overloaded` when none is left."""
+        with self._lock:
+            if unknown_caller:
+                if self._unknown < self.max_unknown:
+                    self._unknown += 1
+                    return
+                waiting, cap, who = self._unknown, self.max_unknown, "unknown callers' "
+            else:
+                waiting, cap, who = self._pending.qsize() - self._unknown, self.max_waiting, ""
+                if waiting < cap:
+                    return
+        raise unavailable(f"the API is overloaded: {waiting} {who}requests wait to be "
+                          f"admitted, at most {cap}; retry in 1 s", retry_after_s=1,
+                          kind="overloaded")
 
     def close(self) -> None:
         for _ in self._threads:
-            self._pending.put((STOP, next(self._arrival), None, (), None, None))
+            self._pending.put((STOP, next(self._arrival), None, (), None, None, False))
         for thread in self._threads:
             thread.join(timeout=5)
 
@@ -66,7 +90,10 @@ class Admission:
 
     def _serve(self) -> None:
         while True:
-            _, _, fn, args, loop, done = self._pending.get()
+            _, _, fn, args, loop, done, unknown_caller = self._pending.get()
+            if unknown_caller:
+                with self._lock:
+                    self._unknown -= 1
             if fn is None:
                 return
             if done.cancelled():  # the client went away while it waited
@@ -125,23 +152,32 @@ class StreamSlots:
 
 
 class RecentLanes:
-    """The lanes of the last `size` jobs accepted here: a stream opened right after its
-    submit (the usual producer) is ranked by its lane without a store lookup."""
+    """The lanes and tenants of the last `size` jobs accepted here: a stream opened right
+    after its submit (the usual producer) is ranked by its lane without a store lookup,
+    and only its own tenant's resume of it goes first (api/deps.py stream_rank)."""
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._lanes: OrderedDict[str, str] = OrderedDict()
+        self._jobs: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def add(self, job_id: str, lane: str) -> None:
+    def add(self, job_id: str, lane: str, tenant_id: int | None = None) -> None:
         with self._lock:
-            self._lanes[job_id] = lane
-            if len(self._lanes) > self._size:
-                self._lanes.popitem(last=False)
+            self._jobs[job_id] = (lane, tenant_id)
+            if len(self._jobs) > self._size:
+                self._jobs.popitem(last=False)
 
     def get(self, job_id: str) -> str | None:
+        """The job's lane, if this process accepted it lately."""
         with self._lock:
-            return self._lanes.get(job_id)
+            known = self._jobs.get(job_id)
+        return known[0] if known is not None else None
+
+    def owner(self, job_id: str) -> int | None:
+        """The tenant whose job it is, if this process accepted it lately."""
+        with self._lock:
+            known = self._jobs.get(job_id)
+        return known[1] if known is not None else None
 
 
 def _settle(done: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:

@@ -3,20 +3,21 @@
 HTTP only: routes, bodies, headers and streams. What a submit checks and does is
 api/submit.py, which knows nothing of HTTP.
 
-Every header the API reads is checked before a handler runs (400 naming it), and every
-wait is bounded: the admission queue, the SSE streams open (per process and per tenant),
-the Redis connections they hold, and each stream's life (`_sse`).
+Every header the API reads is checked before a handler runs (400 naming it), a request's
+API key before its body is read (api/auth.py), every body on the bytes read
+(api/bodylimit.py: 413 at the first byte past the limit), and every wait is bounded: the
+admission queue, the SSE streams open (per process and per tenant), the Redis connections
+they hold, and each stream's life (`_sse`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,9 +27,12 @@ from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.types import Scope
 
 from api import admin, batches, listing, openai_routes, openapi, webhook_routes
-from api.auth import authenticate, bearer_key, follow_changes, tenant_for_key
+from api.auth import authenticate, bearer_key, follow_changes
+from api.bodylimit import BodyLimit
 from api.deps import (
     Deps,
     EventStream,
@@ -39,12 +43,13 @@ from api.deps import (
     job_json,
     json_body,
     lane_rank,
+    sse_error_frame,
     stream_rank,
 )
 from api.errors import ApiError, malformed, not_found, unavailable
 from api.fleet import fleet_report
 from api.openai_api import error_body
-from api.schemas import JobRequest, parse_job_request
+from api.schemas import parse_job_request
 from store.batches import Batches
 from tidegate import gcfreeze, keys
 from tidegate.events import TERMINAL, Event
@@ -55,6 +60,7 @@ from tidegate.tracing import setup_tracing
 log = logging.getLogger("tidegate.api")
 
 API_THREADS = 12
+FORM_OVERHEAD_BYTES = 64 * 1024  # a multipart upload's parts beside its file
 MAX_EVENT_ID = 2**63 - 1  # a stream id's first part is 64 bits; seq + 1 must fit
 
 
@@ -69,21 +75,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # (cores + 4), so SSE readers' lookups do not queue behind a burst of submits.
         asyncio.get_running_loop().set_default_executor(
             ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
-        driver = asyncio.create_task(batches.Driver(deps, batch_store).run())
-        auth_changes = asyncio.create_task(follow_changes(deps.redis, settings.namespace))
+        auth_changes = asyncio.create_task(follow_changes(deps.redis, settings.namespace,
+                                                          deps.open_streams.changed))
         gcfreeze.after_start()
         yield
         auth_changes.cancel()
-        driver.cancel()
         deps.admission.close()
         await deps.stream_hub.close()
         await deps.redis.aclose()
 
     app = FastAPI(title="tidegate", version="0.1.0", lifespan=lifespan)
     app.state.deps = deps
+    app.add_middleware(BodyLimit, limit_of=_body_limit(settings),
+                       refusal=_body_refusal(deps))
     app.add_exception_handler(ApiError, handle_api_error)
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)
+    app.add_exception_handler(PoolTimeout, handle_unreachable)  # every pooled connection busy
     _routes(app, deps)
     openai_routes.install(app, deps)
     batches.install(app, deps, batch_store)
@@ -113,14 +121,44 @@ async def handle_api_error(request: Request, exc: Exception) -> JSONResponse:
     """An ApiError as its JSON body, naming the field at fault, with its headers; counted
     by the error's type and status (tidegate_requests_rejected_total) for ops' alerts."""
     assert isinstance(exc, ApiError)
-    metrics = request.app.state.deps.metrics
-    if openai_routes.is_openai_path(request.url.path):
+    return error_response(request.app.state.deps, request.url.path, exc)
+
+
+def error_response(deps: Deps, path: str, exc: ApiError) -> JSONResponse:
+    if openai_routes.is_openai_path(path):
         status, body = error_body(exc)
-        metrics.refused(exc.kind, status)
+        deps.metrics.refused(exc.kind, status)
         return JSONResponse(body, status_code=status, headers=exc.headers)
-    metrics.refused(exc.kind, exc.status)
+    deps.metrics.refused(exc.kind, exc.status)
     body = {"error": {"type": exc.kind, "field": exc.field, "message": exc.message}}
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
+def _body_limit(settings: Settings) -> Callable[[Scope], int]:
+    """A request body's limit in bytes (api/bodylimit.py): an upload's (POST /v1/files,
+    whose file part api/files.py bounds itself) is the file's and its form's; every other
+    body's is `max_body_bytes`."""
+    upload = settings.batch_max_file_bytes + FORM_OVERHEAD_BYTES
+
+    def limit_of(scope: Scope) -> int:
+        if scope["method"] == "POST" and scope["path"] == "/v1/files":
+            return upload
+        return settings.max_body_bytes
+
+    return limit_of
+
+
+def _body_refusal(deps: Deps) -> Callable[[Scope, int], JSONResponse]:
+    def refusal(scope: Scope, limit: int) -> JSONResponse:
+        if scope["path"] == "/v1/files":
+            exc = ApiError(413, "file", "file: larger than the limit of "
+                           f"{deps.settings.batch_max_file_bytes} bytes (the upload: "
+                           f"{limit} bytes with its form)")
+        else:
+            exc = ApiError(413, "body", f"body: larger than the limit of {limit} bytes")
+        return error_response(deps, scope["path"], exc)
+
+    return refusal
 
 
 async def handle_unreachable(request: Request, exc: Exception) -> JSONResponse:
@@ -137,11 +175,12 @@ def _routes(app: FastAPI, deps: Deps) -> None:
 
     @app.post("/v1/jobs", status_code=202, dependencies=checked)
     async def submit(request: Request, idempotency_key: str | None = Header(None)) -> JSONResponse:
-        key = bearer_key(request)
-        req = await _job_request(request, deps)
+        tenant = await authenticate(deps.store, request)  # before the body is read (api/auth.py)
+        req = parse_job_request(await json_body(request, deps))
         await deps.prompts.loaded()  # a restarted API: here, not in an admission thread
-        rank = lane_rank(deps, req.lane, req.priority)
-        accepted = await deps.admission.run(rank, admit, deps, key, req, idempotency_key)
+        rank = lane_rank(deps, req.lane, req.priority, tenant)
+        accepted = await deps.admission.run(rank, admit, deps, bearer_key(request), req,
+                                            idempotency_key)
         return JSONResponse(accepted.model_dump(), status_code=202 if accepted.created else 200)
 
     @app.get("/v1/jobs", dependencies=checked)
@@ -169,11 +208,13 @@ def _routes(app: FastAPI, deps: Deps) -> None:
     @app.get("/v1/jobs/{job_id}/events", dependencies=checked)
     async def events(job_id: str, request: Request,
                      last_event_id: str | None = Header(None)) -> StreamingResponse:
-        key = bearer_key(request)
+        tenant = await authenticate(deps.store, request)
         after = _resume_after(last_event_id, request.query_params.get("last_event_id"))
         job_id = check_job_id(job_id)
-        job = await deps.admission.run(stream_rank(deps, job_id, after), _owned_job, deps,
-                                       key, job_id)
+        if deps.recent_lanes.owner(job_id) not in (None, tenant.id):
+            raise not_found("job")  # another tenant's job, as this process accepted it
+        job = await deps.admission.run(stream_rank(deps, job_id, after, tenant),
+                                       deps.store.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
         give_back = deps.streams.take(job.tenant_id)  # 429 when the caps are reached
@@ -208,14 +249,6 @@ def _ops_routes(app: FastAPI, deps: Deps) -> None:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-async def _job_request(request: Request, deps: Deps) -> JobRequest:
-    try:
-        return parse_job_request(await json_body(request, deps))
-    except ApiError:
-        await authenticate(deps.store, request)  # an unknown key hears 401 before a 400
-        raise
-
-
 def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, Any]:
     rows = deps.store.list_jobs(
         tenant_id, statuses=query.statuses, lane=query.lane, session_id=query.session_id,
@@ -225,11 +258,6 @@ def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, 
     cursor = listing.encode_cursor(page[-1].enqueued_at, page[-1].id) if more else None
     return {"object": "list", "data": [job_json(job) for job in page], "has_more": more,
             "next_cursor": cursor}
-
-
-def _owned_job(deps: Deps, key: str, job_id: str) -> Any:
-    """The job, if the key's tenant owns it (else None: another tenant's job is a 404)."""
-    return deps.store.get_job(job_id, tenant_for_key(deps.store, key).id)
 
 
 EVENT_ID = re.compile(r"-?[0-9]{1,20}")
@@ -291,7 +319,7 @@ async def _sse(deps: Deps, job: Any, after: int) -> AsyncIterator[bytes]:
                     extra={"job_id": job.id})
         end = ("unavailable", f"Redis is unavailable: reconnect with Last-Event-ID {reader.seq} "
                "in a few seconds")
-    yield _error_frame(*end)
+    yield sse_error_frame(*end)
 
 
 _READ_IT = object()  # verdict(): read the job's row from the store
@@ -352,10 +380,6 @@ class _EventReader:
                 f"(expired, or lost by Redis): GET /v1/jobs/{job.id} has its result")
 
 
-def _error_frame(code: str, message: str) -> bytes:
-    return b"event: error\ndata: %s\n\n" % json.dumps({"code": code, "message": message}).encode()
-
-
 TERMINAL_KINDS = frozenset(kind.encode() for kind in TERMINAL)
 
 
@@ -390,5 +414,13 @@ async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
         checks["database"] = {"ok": True}
     except Exception as exc:
         checks["database"] = {"ok": False, "error": type(exc).__name__}
-    checks["tokenizer"] = deps.prompts.readiness()
+    checks["tokenizer"] = _no_paths(deps.prompts.readiness())
     return checks
+
+
+def _no_paths(check: dict[str, Any]) -> dict[str, Any]:
+    """A check as anyone may read it (/readyz takes no key): why the tokenizer failed names
+    its path on this host, so that goes to the log (api/prompts.py), not here."""
+    if check.get("ok") or check.get("error") == "loading":
+        return check
+    return {"ok": False, "error": "failed to load (the API's log says why)"}

@@ -21,13 +21,15 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from api.admission import Admission, RecentLanes, StreamSlots
-from api.auth import tenant_for_key
-from api.errors import ApiError, malformed, not_found
+from api.auth import FailedAuth, KeyGate, OpenStreams, Tenant, bearer_key, tenant_for_key
+from api.errors import ApiError, malformed, not_found, unauthorized
 from api.limits import Backlogs, InFlightCounts
 from api.metrics import ApiMetrics
+from api.openai_api import error_body
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from api.streamhub import StreamHub
+from api.submit import highest_priority
 from api.submit import submit as submit_job
 from scheduler.router import WorkerView
 from store import Store
@@ -43,10 +45,14 @@ from tidegate.settings import Settings
 SUBMIT_THREADS = 4
 UNKNOWN_LANE_RANK = 100.0
 # A stream that resumes (Last-Event-ID) comes before every lane's submits: its consumer is
-# mid-stream, waiting on tokens already made, and opening it costs one row read. After an
-# API restart every consumer resumes at once, beside the producers' retried submits; the
-# restarted process knows none of their lanes, and ranked unknown they waited behind all.
+# mid-stream, waiting on tokens already made, and opening it costs one row read. Only the
+# job's own tenant, as this process knows it (RecentLanes), gets that rank: anyone could
+# send a Last-Event-ID. A resume of a job this process does not know (after a restart,
+# beside the producers' retried submits) is ranked by its tenant's most urgent lane.
 RESUME_RANK = (-1.0,)
+# Key lookups of callers never seen with a valid key, waiting at once (api/admission.py):
+# beside the tenants' calls, not among them.
+MAX_UNKNOWN_WAITING = 64
 RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
 FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
 # Redis connections beyond one per SSE stream: readiness, cancels, auth changes.
@@ -67,22 +73,30 @@ class Deps:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.store = Store(settings.db_url)
+        self.store = Store(settings.db_url, **settings.store_timeouts)
         # SSE streams wait on one shared XREAD (api/streamhub.py), not a connection each;
         # the pool is bounded all the same (the socket timeout is longer than any block),
         # so the API can never take the connections Redis has for the workers.
         self.redis: Any = redisconn.async_client(
             settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
-            pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10)
+            pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10,
+            socket_connect_timeout=settings.redis_connect_timeout_s)
         self.stream_hub = StreamHub(self.redis, settings.namespace)  # SSE reads, one XREAD
-        self.sync_redis = redisconn.sync_client(settings.redis_url)  # handler threads
+        # Handler and admission threads: no blocking reads, so each reply gets the plain
+        # socket timeout, and a blackholed Redis is a 503 within it (api/app.py).
+        self.sync_redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
         self.celery: Celery = make_app(settings)
         # The tokenizer's files only: an API pod holds no weights (TIDEGATE_TOKENIZER).
         self.prompts = PromptRenderer(settings.tokenizer_path)
         self.metrics = ApiMetrics()
         self.in_flight = InFlightCounts(self.store.count_in_flight)
         self.backlogs = Backlogs(lambda queues: queue_lengths(self.sync_redis, queues))
-        self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting)
+        self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting,
+                                   MAX_UNKNOWN_WAITING)
+        # Keys are checked on the event loop before a body is read (api/auth.py).
+        self.key_gate = KeyGate(self.admission, FailedAuth(settings.auth_failures,
+                                                           settings.auth_failure_window_s))
+        self.open_streams = OpenStreams(self.store)  # ended when their key is revoked
         self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
         self.metrics.sse_streams.set_function(self.streams.open)
         self.recent_lanes = RecentLanes(RECENT_JOBS)
@@ -144,29 +158,42 @@ def check_job_id(path_id: str) -> str:
     return job_id
 
 
-def lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None) -> tuple[float, ...]:
+def lane_rank(deps: Deps, lane_name: str | None, priority: int | None = None,
+              tenant: Tenant | None = None) -> tuple[float, ...]:
     """A submit's or a stream opening's place among the waiting ones: by its lane's cpu_nice
     (the lane that yields the hosts' CPU to the others yields the API's too), then by job
-    priority, then in arrival order."""
+    priority, then in arrival order. A tenant's submit ranks no higher than the priority
+    it may ask (a request above it is refused, and must not wait ahead of others)."""
     lane = deps.settings.lanes.get(lane_name or "")
     if lane is None:
         return (UNKNOWN_LANE_RANK,)  # a 400 to come, or a job this process did not submit
-    return (lane.cpu_nice, -(lane.default_priority if priority is None else priority))
+    asked = lane.default_priority if priority is None else priority
+    if tenant is not None:
+        asked = min(asked, highest_priority(tenant, lane))
+    return (lane.cpu_nice, -asked)
 
 
-def stream_rank(deps: Deps, job_id: str, after: int) -> tuple[float, ...]:
-    """A stream opening's place among the waiting calls: a resume first (RESUME_RANK),
-    else its job's lane as this process admitted it."""
-    if after >= 0:
-        return RESUME_RANK
-    return lane_rank(deps, deps.recent_lanes.get(job_id))
+def stream_rank(deps: Deps, job_id: str, after: int,
+                tenant: Tenant | None = None) -> tuple[float, ...]:
+    """A stream opening's place among the waiting calls: its tenant's resume of a job this
+    process accepted for it first (RESUME_RANK), else that job's lane; a job this process
+    does not know as the tenant's by the tenant's most urgent lane when it resumes, else
+    after every lane (UNKNOWN_LANE_RANK)."""
+    mine = tenant is not None and deps.recent_lanes.owner(job_id) == tenant.id
+    if mine:
+        return RESUME_RANK if after >= 0 else lane_rank(deps, deps.recent_lanes.get(job_id))
+    if after >= 0 and tenant is not None and deps.recent_lanes.owner(job_id) is None:
+        return min((lane_rank(deps, lane) for lane in tenant.lanes),
+                   default=(UNKNOWN_LANE_RANK,))
+    return (UNKNOWN_LANE_RANK,)
 
 
 def admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobAccepted:
     """The submit's blocking part, on an admission thread: the key's tenant, then
     api/submit.py."""
-    accepted = submit_job(deps, tenant_for_key(deps.store, key), req, header_key)
-    deps.recent_lanes.add(accepted.job_id, accepted.lane)
+    tenant = tenant_for_key(deps.store, key)  # checked again: revoked since the gate?
+    accepted = submit_job(deps, tenant, req, header_key)
+    deps.recent_lanes.add(accepted.job_id, accepted.lane, tenant.id)
     return accepted
 
 
@@ -222,54 +249,117 @@ def job_id_of(path_id: str) -> str:
 
 class EventStream(StreamingResponse):
     """An SSE answer holding its stream slot (api/admission.py StreamSlots) until it is
-    done, however it ends: the events ran out, the client went away, an error.
+    done, however it ends: the events ran out, the client went away, an error, its API key
+    revoked (then a last frame says so: an `error` event, or OpenAI's error chunk and
+    `[DONE]` for `openai`).
 
     StreamingResponse's headers, with a plain ASGI loop of its own: StreamingResponse ran
     each stream in an anyio task group, a cost per stream and per frame that only the
-    watch for the client's going away needs. Here that watch is one task (_Leaving)."""
+    watch for the client's going away needs. Here that watch is one task (_Stop)."""
 
     def __init__(self, body: AsyncIterator[bytes], give_back: Callable[[], None],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, openai: bool = False) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                   **(headers or {})})
         self.give_back = give_back
+        self.openai = openai
+        self.started = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        leaving = _Leaving()
-        watch = asyncio.create_task(leaving.watch(receive))
+        stop = _Stop(receive)
+        forget = _register(scope, stop.revoke)
         try:
             await self._send_all(send)
         except asyncio.CancelledError:
-            if not leaving.cancelled_it():
+            stop.halt()  # no cancel of its own after this: the last frame must go out
+            if not stop.cancelled_it():
                 raise  # a cancel of another's (a server shutting down) goes on
+            if stop.revoked:
+                await self._send_revoked(send)
         finally:
-            watch.cancel()
+            stop.halt()
+            forget()
             self.give_back()
 
     async def _send_all(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
+        await self._start(send)
         async for chunk in self.body_iterator:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _start(self, send: Send) -> None:
+        self.started = True
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
 
-class _Leaving:
-    """Ends a stream when the server says its client went away: uvicorn drops what is sent
-    after that without a word, so nothing else would notice until the job ended."""
+    async def _send_revoked(self, send: Send) -> None:
+        if not self.started:
+            await self._start(send)
+        await send({"type": "http.response.body", "body": revoked_frames(self.openai),
+                    "more_body": False})
+
+
+REVOKED = "authorization: this stream's API key was revoked"
+
+
+def sse_error_frame(code: str, message: str) -> bytes:
+    """An SSE `error` event with no id (the client's Last-Event-ID stays its last event)."""
+    return b"event: error\ndata: %s\n\n" % json.dumps({"code": code,
+                                                         "message": message}).encode()
+
+
+def revoked_frames(openai: bool) -> bytes:
+    """The end of a stream whose key was revoked: OpenAI's error chunk (as a 401 would
+    say it) and `[DONE]`, or the jobs API's `error` event `unauthorized`."""
+    if not openai:
+        return sse_error_frame("unauthorized", REVOKED)
+    _, body = error_body(unauthorized(REVOKED))
+    return b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(body).encode()
+
+
+def _register(scope: Scope, end: Callable[[], None]) -> Callable[[], None]:
+    """The stream in its app's OpenStreams under the key it was opened with (api/auth.py);
+    returns what takes it out."""
+    app_state = getattr(scope.get("app"), "state", None)
+    streams = getattr(getattr(app_state, "deps", None), "open_streams", None)
+    try:
+        key = bearer_key(Request(scope))
+    except ApiError:
+        key = None
+    if streams is None or key is None:
+        return lambda: None
+    forget: Callable[[], None] = streams.add(key, end)
+    return forget
+
+
+class _Stop:
+    """Ends a stream from outside, by cancelling the task that sends it: when the server
+    says its client went away (uvicorn drops what is sent after that without a word, so
+    nothing else would notice until the job ended), or when its key is revoked."""
 
     RECANCEL_S = 0.1
 
-    def __init__(self) -> None:
+    def __init__(self, receive: Receive) -> None:
         streaming = asyncio.current_task()
         assert streaming is not None
         self.streaming = streaming
         self.cancels = 0
+        self.revoked = False
+        self.halted = False
+        self._tasks = [asyncio.create_task(self._watch(receive))]
 
-    async def watch(self, receive: Receive) -> None:
+    async def _watch(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass  # the request's body
+        await self._cancel_until_ended()
+
+    def revoke(self) -> None:
+        if not (self.revoked or self.halted):
+            self.revoked = True
+            self._tasks.append(asyncio.create_task(self._cancel_until_ended()))
+
+    async def _cancel_until_ended(self) -> None:
         # Cancelled again until it ends, as anyio does: asyncio.wait_for before Python
         # 3.12 drops a cancel that comes as what it waits on finishes, and redis-py sends
         # every command through one.
@@ -278,8 +368,15 @@ class _Leaving:
             self.streaming.cancel()
             await asyncio.sleep(self.RECANCEL_S)
 
+    def halt(self) -> None:
+        """No more cancels from here (called on the streaming task, so none is pending)."""
+        self.halted = True
+        for task in self._tasks:
+            task.cancel()
+
     def cancelled_it(self) -> bool:
-        """Whether the stream's cancel was only this watch's (its requests taken back)."""
+        """Whether the stream's cancel was only this one's (its requests taken back)."""
         for _ in range(self.cancels):
             self.streaming.uncancel()
-        return self.cancels > 0 and self.streaming.cancelling() == 0
+        cancels, self.cancels = self.cancels, 0
+        return cancels > 0 and self.streaming.cancelling() == 0

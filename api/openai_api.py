@@ -18,10 +18,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
 from api.errors import ApiError
-from api.schemas import JobRequest, Message, check_text
+from api.schemas import JobRequest, check_text
 from tidegate.lanes import Lane
 from tidegate.settings import Settings
 
@@ -65,11 +65,26 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart]
     name: str | None = Field(None, max_length=64)
 
-    def as_message(self) -> Message:
-        text = self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content)
+    @field_validator("content")
+    @classmethod
+    def _has_text(cls, v: str | list[TextPart]) -> str | list[TextPart]:
+        # A turn without text ("", [], empty parts) is refused here, naming
+        # messages.<i>.content: the job's own check (schemas.Message) would raise where no
+        # handler names the field (a 500 on the route, a dead batch driver before).
+        if isinstance(v, list) and not v:
+            raise ValueError("at least one text part is required")
+        if not _joined(v):
+            raise ValueError("holds no text; a message needs some")
+        return v
+
+    def as_message(self) -> dict[str, str]:
+        """The job's message (checked by JobRequest's Message, inside `_job`)."""
         role = "system" if self.role == "developer" else self.role
-        return Message(role=role, content=text)
+        return {"role": role, "content": _joined(self.content)}
+
+
+def _joined(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
 class StreamOptions(BaseModel):
@@ -80,23 +95,24 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    """What chat and text completions share: sampling, streaming, tidegate's extensions."""
+    """What chat and text completions share: sampling, streaming, tidegate's extensions.
+    Integers are strict (StrictInt): pydantic's lax mode would take `false` as 0."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=256)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = None
+    n: StrictInt | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     service_tier: str | None = None
     # tidegate's own (extra_body)
     lane: str | None = Field(None, min_length=1, max_length=64)
-    priority: int | None = Field(None, ge=0, le=9)
+    priority: StrictInt | None = Field(None, ge=0, le=9)
     session_id: str | None = Field(None, min_length=1, max_length=128)
     deadline_s: float | None = Field(None, gt=0)
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
@@ -137,8 +153,8 @@ class ChatRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, gt=0)
-    max_completion_tokens: int | None = Field(None, gt=0)
+    max_tokens: StrictInt | None = Field(None, gt=0)
+    max_completion_tokens: StrictInt | None = Field(None, gt=0)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -148,7 +164,7 @@ class CompletionRequest(_Common):
     """POST /v1/completions: one prompt, as text."""
 
     prompt: str | list[str]
-    max_tokens: int | None = Field(16, gt=0)  # OpenAI's default for this endpoint
+    max_tokens: StrictInt | None = Field(16, gt=0)  # OpenAI's default for this endpoint
 
     @field_validator("prompt")
     @classmethod

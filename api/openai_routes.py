@@ -84,7 +84,7 @@ async def _complete(deps: Deps, request: Request, tenant: Tenant,
     try:
         await deps.prompts.loaded()
         accepted: JobAccepted = await deps.admission.run(
-            lane_rank(deps, job.lane, job.priority), admit, deps, bearer_key(request), job,
+            lane_rank(deps, job.lane, job.priority, tenant), admit, deps, bearer_key(request), job,
             header_key)
     except BaseException:
         if give_back is not None:
@@ -95,7 +95,8 @@ async def _complete(deps: Deps, request: Request, tenant: Tenant,
     keep = deps.settings.lanes[accepted.lane].keep_on_disconnect
     watch = _Watch(deps, accepted.job_id, tenant.id, keep)
     if give_back is not None:
-        return EventStream(_chunks(watch, answer, req.include_usage), give_back, headers)
+        return EventStream(_chunks(watch, answer, req.include_usage), give_back, headers,
+                           openai=True)
     return JSONResponse(await _whole(watch, request, answer), headers=headers)
 
 

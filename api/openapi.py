@@ -1,10 +1,14 @@
 """The API's contract: the OpenAPI document /openapi.json serves, and the framework's own
 errors answered in the shape that document promises.
 
-FastAPI documents what a route's signature declares. The job routes read their body
-themselves (api/app.py: a size cap before parsing, errors in the API's own shape), so
-FastAPI alone would describe no request body, no auth and no error. This module writes
-that contract over FastAPI's document, from the models the handlers use:
+FastAPI documents what a route's signature declares. Every route reads its body itself
+(api/app.py: a size cap before parsing, errors in the API's own shape), so FastAPI alone
+would describe no request body, no auth and no error; the OpenAI, Files, Batches and admin
+routes are even left out of FastAPI's document (`include_in_schema=False`). This module
+documents every route, those included, writing the contract over FastAPI's document from
+the models the handlers use: the jobs API here, the OpenAI-compatible routes (chat and
+text completions, models, files, batches) in api/openapi_openai.py, the admin API in
+api/openapi_admin.py. For the jobs API:
 
     request body   POST /v1/jobs takes api/schemas.py `JobRequest`, with what the model
                    checks in code written as schema: `messages` or `prompt`, not both; no
@@ -23,36 +27,49 @@ that contract over FastAPI's document, from the models the handlers use:
                    never run.
 
 Errors raised by Starlette itself (an unknown path, a method the path does not have)
-would be `{"detail": ...}`: `install` answers them in the same error shape, a 405 with
-every method of the path in `Allow` (Starlette names only the first route's).
+would be `{"detail": ...}`: `install` answers them in the path's error shape (OpenAI's on
+the OpenAI paths, the API's own elsewhere), a 405 with every method of the path in
+`Allow` (Starlette names only the first route's).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import TypeAdapter
 from starlette.exceptions import HTTPException
-from starlette.routing import Match
+from starlette.routing import BaseRoute, Match
 
+from api import openapi_admin, openapi_openai
+from api.errors import ApiError
+from api.openai_api import error_body
+from api.openai_routes import is_openai_path
+from api.openapi_parts import (
+    BEARER,
+    REF,
+    SECURITY_SCHEMES,
+    Json,
+    error_response,
+    json_response,
+    link,
+    ref,
+    refuse_nul,
+    schema_of,
+)
 from api.schemas import JobAccepted, JobRequest
 from store import JobRecord
 from tidegate.events import Event
 from tidegate.lanes import Lane
+from tidegate.settings import Settings
 
-Json = dict[str, Any]
-
-REF = "#/components/schemas/{model}"
-BEARER: list[Json] = [{"bearer": []}]
 HIDDEN_JOB_FIELDS = ("tenant_id", "idempotency_key")  # api/app.py `_job_json` drops them
-NO_NUL = "^[^\\u0000]*$"  # api/schemas.py `check_text`: NUL in text is a 400
 # JobRequest's `_one_input`: a non-empty `messages` or a non-empty `prompt`, not both.
 ONE_INPUT = [
     {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1},
@@ -66,18 +83,16 @@ ERRORS = {
     400: "Bytes the API does not carry: a body that is not JSON, a header of the wrong "
          "shape, NUL or a lone surrogate in text; `error.field` names where.",
     401: "No `Authorization: Bearer <API key>` header, or an unknown or revoked key.",
-    403: "The API key may not use this lane, or the session belongs to another tenant.",
+    403: "The API key may not use this lane.",
     404: "No such job for this API key.",
     413: "The body is larger than the API's limit.",
     422: "A value of the right shape breaks a rule; `error.field` names it.",
     429: "A bound is reached (`error.type`: rate_limited, queue_full, too_many_in_flight, "
-         "too_many_streams); retry after `Retry-After` seconds.",
+         "too_many_streams), or the caller's address earned too many 401s lately; retry "
+         "after `Retry-After` seconds.",
     503: "Redis, the database or every worker of the lane is unavailable, or the API is "
          "overloaded; retry after `Retry-After` seconds.",
 }
-RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
-                               "required": True,
-                               "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
 # Header and path values as api/app.py checks them (`_check_headers`, `_resume_after`,
 # `JOB_ID`): anything else is a 400, or a 404 for a job id. An empty Last-Event-ID is
 # no id at all (the SSE spec's reconnection sends none), so the stream starts over.
@@ -94,6 +109,8 @@ PARAMETERS = {
                       "seconds."},
     "after": {"type": "string", "description": "A page's `next_cursor`, as it is."},
     "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
+    **openapi_openai.PARAMETERS,
+    **openapi_admin.PARAMETERS,
 }
 LIST_PARAMETERS = ("status", "lane", "session_id", "created_after", "after", "limit")
 
@@ -133,12 +150,12 @@ SSE_EVENT: Json = {
 
 
 def install(app: FastAPI, lanes: Mapping[str, Lane]) -> None:
-    """Serve `document(app, lanes)` at /openapi.json (built on first request), and
-    answer Starlette's own errors in the API's error shape."""
+    """Serve `document(app, lanes, settings)` at /openapi.json (built on first request),
+    and answer Starlette's own errors in the API's error shape."""
 
     def openapi() -> Json:
         if app.openapi_schema is None:
-            app.openapi_schema = document(app, lanes)
+            app.openapi_schema = document(app, lanes, app.state.deps.settings)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -152,6 +169,9 @@ async def framework_error(request: Request, exc: Exception) -> JSONResponse:
         headers["Allow"] = ", ".join(sorted(_methods_of_path(request)))
     kind = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_")
     request.app.state.deps.metrics.refused(kind, exc.status_code)
+    if is_openai_path(request.url.path):
+        status, body = error_body(ApiError(exc.status_code, None, str(exc.detail), kind=kind))
+        return JSONResponse(body, status_code=status, headers=headers)
     body = {"error": {"type": kind, "field": None, "message": str(exc.detail)}}
     return JSONResponse(body, status_code=exc.status_code, headers=headers)
 
@@ -167,19 +187,39 @@ def _methods_of_path(request: Request) -> set[str]:
     return methods
 
 
-def document(app: FastAPI, lanes: Mapping[str, Lane]) -> Json:
-    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+def document(app: FastAPI, lanes: Mapping[str, Lane], settings: Settings) -> Json:
+    """Every route of `app`, with its contract. A route with none is shown as FastAPI
+    sees it, marked `x-undocumented` (tests/stack/test_fuzz.py fails on one)."""
+    doc = get_openapi(title=app.title, version=app.version, routes=every_route(app.routes))
     doc["components"] = {
-        "schemas": _schemas(lanes),
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                       "description": "An API key (`tidegate tenant add`)."}},
+        "schemas": (_schemas(lanes) | openapi_openai.schemas(settings, lanes)
+                    | openapi_admin.schemas(settings)),
+        "securitySchemes": SECURITY_SCHEMES,
     }
-    for (path, method), contract in _operations().items():
-        operation = doc["paths"][path][method]
-        operation.update(contract)
-        for parameter in operation.get("parameters", []):
-            parameter["schema"] = PARAMETERS[parameter["name"]]
+    contracts = _operations() | openapi_openai.operations() | openapi_admin.operations()
+    for path, methods in doc["paths"].items():
+        for method, operation in methods.items():
+            if (path, method) not in contracts:
+                operation["x-undocumented"] = True
+                continue
+            operation.update(contracts[path, method])
+            for parameter in operation.get("parameters", []):
+                own = f"{operation['operationId']}.{parameter['name']}"
+                parameter["schema"] = (PARAMETERS.get(own) or PARAMETERS.get(parameter["name"])
+                                       or parameter["schema"])
     return doc
+
+
+def every_route(routes: Iterable[BaseRoute]) -> list[BaseRoute]:
+    """The app's routes, those FastAPI leaves out of its document included (a copy of
+    each, shown): this module documents them all."""
+    shown: list[BaseRoute] = []
+    for route in routes:
+        if isinstance(route, APIRoute) and not route.include_in_schema:
+            route = copy.copy(route)
+            route.include_in_schema = True
+        shown.append(route)
+    return shown
 
 
 # -- components --------------------------------------------------------------------------
@@ -190,13 +230,13 @@ def _schemas(lanes: Mapping[str, Lane]) -> Json:
     schemas: Json = {
         "Error": ERROR_SCHEMA,
         "JobRequest": _job_request(lanes, defs),
-        "JobAccepted": _schema_of(JobAccepted, defs),
-        "Job": _schema_of(JobRecord, defs),
-        "Event": _schema_of(Event, defs),
+        "JobAccepted": schema_of(JobAccepted, defs),
+        "Job": schema_of(JobRecord, defs),
+        "Event": schema_of(Event, defs),
         "JobList": {"type": "object", "required": ["object", "data", "has_more", "next_cursor"],
                     "properties": {
                         "object": {"const": "list"},
-                        "data": {"type": "array", "items": _ref("Job")},
+                        "data": {"type": "array", "items": ref("Job")},
                         "has_more": {"type": "boolean"},
                         "next_cursor": {"type": ["string", "null"],
                                         "description": "Pass as `after` for the next page; "
@@ -226,39 +266,19 @@ def _schemas(lanes: Mapping[str, Lane]) -> Json:
     for name in HIDDEN_JOB_FIELDS:  # a job as GET and DELETE return it
         schemas["Job"]["properties"].pop(name)
         schemas["Job"]["required"].remove(name)
-    _refuse_nul(defs["Message"])
+    refuse_nul(defs["Message"])
     return defs | schemas
 
 
 def _job_request(lanes: Mapping[str, Lane], defs: Json) -> Json:
-    schema = _schema_of(JobRequest, defs)
+    schema = schema_of(JobRequest, defs)
     fields = schema["properties"]
     fields["lane"]["enum"] = sorted(lanes)
     fields["max_tokens"]["maximum"] = max(lane.max_output_tokens for lane in lanes.values())
     deadline = {"maximum": max(lane.deadline_s for lane in lanes.values())}
     fields["deadline_s"]["anyOf"][0].update(deadline)
-    schema["anyOf"] = copy.deepcopy(ONE_INPUT)  # _refuse_nul writes into it
-    _refuse_nul(schema)
-    return schema
-
-
-def _refuse_nul(node: Any) -> None:
-    """Every free-text string schema under `node` gets the NO_NUL pattern."""
-    if isinstance(node, list):
-        for item in node:
-            _refuse_nul(item)
-    elif isinstance(node, dict):
-        if node.get("type") == "string" and "enum" not in node:
-            node.setdefault("pattern", NO_NUL)
-        for value in node.values():
-            _refuse_nul(value)
-
-
-def _schema_of(kind: type, defs: Json) -> Json:
-    """The JSON schema of a pydantic model or dataclass, its nested types moved into
-    `defs` (the document's components)."""
-    schema = TypeAdapter(kind).json_schema(ref_template=REF)
-    defs.update(schema.pop("$defs", {}))
+    schema["anyOf"] = copy.deepcopy(ONE_INPUT)  # refuse_nul writes into it
+    refuse_nul(schema)
     return schema
 
 
@@ -266,30 +286,31 @@ def _schema_of(kind: type, defs: Json) -> Json:
 
 
 def _operations() -> dict[tuple[str, str], Json]:
-    job_links = {"GetJob": _link("getJob", "job_id"), "CancelJob": _link("cancelJob", "job_id")}
+    job_links = {"GetJob": link("getJob", job_id="$response.body#/job_id"),
+                 "CancelJob": link("cancelJob", job_id="$response.body#/job_id")}
     return {
         ("/v1/jobs", "post"): _jobs_operation(
             "submitJob", "Submit a job.",
-            {"202": _json("Accepted: the job is queued.", "JobAccepted", job_links),
-             "200": _json("An earlier job with this idempotency key.", "JobAccepted",
+            {"202": json_response("Accepted: the job is queued.", "JobAccepted", job_links),
+             "200": json_response("An earlier job with this idempotency key.", "JobAccepted",
                           job_links)},
             errors=(400, 401, 403, 413, 422, 429, 503),
             requestBody={"required": True,
-                         "content": {"application/json": {"schema": _ref("JobRequest")}}}),
+                         "content": {"application/json": {"schema": ref("JobRequest")}}}),
         ("/v1/jobs", "get"): _jobs_operation(
             "listJobs", "The key's tenant's jobs in the order they were accepted, filtered, "
             "a page at a time (`next_cursor` -> `after`).",
-            {"200": _json("A page of jobs.", "JobList")}, errors=(400, 401, 422, 503),
+            {"200": json_response("A page of jobs.", "JobList")}, errors=(400, 401, 422, 429, 503),
             parameters=[{"name": name, "in": "query", "required": False}
                         for name in LIST_PARAMETERS]),
         ("/v1/jobs/{job_id}", "get"): _jobs_operation(
-            "getJob", "Read a job.", {"200": _json("The job.", "Job")},
-            errors=(400, 401, 404, 503)),
+            "getJob", "Read a job.", {"200": json_response("The job.", "Job")},
+            errors=(400, 401, 404, 429, 503)),
         ("/v1/jobs/{job_id}", "delete"): _jobs_operation(
             "cancelJob", "Cancel a job; one that has ended is returned as it is.",
-            {"200": _json("The job, `cancelled` unless it had ended.", "Job",
-                          {"JobEvents": _link("jobEvents", "id")})},
-            errors=(400, 401, 404, 503)),
+            {"200": json_response("The job, `cancelled` unless it had ended.", "Job",
+                          {"JobEvents": link("jobEvents", job_id="$response.body#/id")})},
+            errors=(400, 401, 404, 429, 503)),
         ("/v1/jobs/{job_id}/events", "get"): _jobs_operation(
             "jobEvents", "The job's events as server-sent events, resumable with "
             "`Last-Event-ID`; the stream ends with the job's terminal event.",
@@ -298,20 +319,21 @@ def _operations() -> dict[tuple[str, str], Json]:
             errors=(400, 401, 404, 429, 503)),
         ("/v1/jobs/{job_id}/deliveries", "get"): _jobs_operation(
             "jobDeliveries", "The job's webhook deliveries, each with every attempt.",
-            {"200": _json("The deliveries (none until the job ends, or without a "
-                          "callback_url).", "DeliveryList")}, errors=(400, 401, 404, 503)),
+            {"200": json_response("The deliveries (none until the job ends, or without a "
+                          "callback_url).", "DeliveryList")}, errors=(400, 401, 404, 429, 503)),
         ("/v1/webhook-secret", "post"): _jobs_operation(
             "rotateWebhookSecret", "A new webhook signing secret, shown once; the older ones "
             "keep signing beside it for TIDEGATE_WEBHOOK_SECRET_OVERLAP_S.",
-            {"200": _json("The new secret.", "WebhookSecret")}, errors=(400, 401, 503)),
+            {"200": json_response("The new secret.", "WebhookSecret")},
+            errors=(400, 401, 429, 503)),
         ("/healthz", "get"): {"operationId": "health",
-                              "responses": {"200": _json("The process is up.", "Health")}},
+                              "responses": {"200": json_response("The process is up.", "Health")}},
         ("/readyz", "get"): {"operationId": "readiness", "responses": {
-            "200": _json("This API can serve: Redis, the database and its tokenizer answer "
+            "200": json_response("This API can serve: Redis, the database and its tokenizer answer "
                          "(workers: /fleetz).", "Readiness"),
-            "503": _json("Something is not ready: `checks` says what.", "Readiness")}},
+            "503": json_response("Something is not ready: `checks` says what.", "Readiness")}},
         ("/fleetz", "get"): {"operationId": "fleet", "responses": {
-            "200": _json("The fleet: `ready` when every lane has an active worker, and "
+            "200": json_response("The fleet: `ready` when every lane has an active worker, and "
                          "`lanes` says which lack one.", "Fleet"),
             "503": _error(503)}},
         ("/metrics", "get"): {"operationId": "metrics", "responses": {"200": {
@@ -346,23 +368,4 @@ def _jobs_operation(operation_id: str, summary: str, ok: Json, errors: tuple[int
 
 
 def _error(status: int) -> Json:
-    response = _json(ERRORS[status], "Error")
-    if status in (429, 503):
-        response["headers"] = RETRY_AFTER
-    return response
-
-
-def _json(description: str, schema: str, links: Json | None = None) -> Json:
-    response: Json = {"description": description,
-                      "content": {"application/json": {"schema": _ref(schema)}}}
-    if links:
-        response["links"] = links
-    return response
-
-
-def _link(operation_id: str, field: str) -> Json:
-    return {"operationId": operation_id, "parameters": {"job_id": f"$response.body#/{field}"}}
-
-
-def _ref(name: str) -> Json:
-    return {"$ref": REF.format(model=name)}
+    return error_response(ERRORS[status], status, "Error")

@@ -3,8 +3,9 @@ everything between is here, with no HTTP in it.
 
 Checks come before effects, so a refused request changed nothing:
 
-    check    the lane, the tenant's right to it, the lane's limits, the prompt rendered
-             and counted, the session's owner: reads only (4xx)
+    check    the lane, the tenant's right to it, the lane's limits, the priority the
+             tenant may ask, the prompt rendered and counted, the tenant's session: reads
+             only (4xx)
     replay   a known idempotency key answers with its job: not charged, not routed,
              nothing published (200)
     bound    the lane's queue depth and the tenant's jobs in flight (429, api/limits.py)
@@ -30,12 +31,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery import Celery
 
 from api import limits
-from api.errors import ApiError, bad_request, unavailable
+from api.errors import ApiError, bad_request, malformed, unavailable
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from scheduler import router
-from store import JobRecord, SessionOwnerError, SessionRecord, Store
+from store import JobRecord, SessionRecord, Store
 from tasks import webhooks
 from tasks.app import push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
@@ -105,12 +106,12 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
 def check(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
           header_key: str | None) -> Checked:
     lane = _check_lane(deps, tenant, req)
+    priority = _check_priority(tenant, lane, req.priority)
     _check_callback(deps, req)
     prompt = deps.prompts.render(req)
     prompt_tokens = deps.prompts.count(prompt)
     _check_prompt(deps, lane, req, prompt_tokens)
-    return Checked(tenant=tenant, req=req, lane=lane,
-                   priority=lane.default_priority if req.priority is None else req.priority,
+    return Checked(tenant=tenant, req=req, lane=lane, priority=priority,
                    prompt=prompt, prompt_tokens=prompt_tokens,
                    session=_check_session(deps, tenant, req.session_id),
                    idempotency_key=req.idempotency_key or header_key)
@@ -133,12 +134,34 @@ def _check_lane(deps: SubmitDeps, tenant: Tenant, req: JobRequest) -> Lane:
     return lane
 
 
+def highest_priority(tenant: Tenant, lane: Lane) -> int:
+    """The most urgent priority (public: 9 is the most urgent, served first) the tenant's
+    jobs may ask in `lane`: its max_priority; unset, the lane's default, so that no tenant
+    jumps ahead of a shared lane's other tenants unless an admin granted it."""
+    return lane.default_priority if tenant.max_priority is None else tenant.max_priority
+
+
+def _check_priority(tenant: Tenant, lane: Lane, asked: int | None) -> int:
+    """The job's priority: the one asked, at most the tenant's highest (a 4xx naming
+    `priority` above it). Asked for none: the lane's default, down to that highest."""
+    highest = highest_priority(tenant, lane)
+    if asked is None:
+        return min(lane.default_priority, highest)
+    if asked > highest:
+        raise bad_request("priority", f"priority: {asked} is above the highest this API key "
+                          f"may ask in lane {lane.name!r} ({highest}; 9 is the most urgent)")
+    return asked
+
+
 def _check_callback(deps: SubmitDeps, req: JobRequest) -> None:
-    """What the URL policy can say without DNS (a delivery checks the addresses too)."""
+    """The URL parsed strictly and what the URL policy can say without DNS (a delivery
+    checks the addresses too): 400 for a URL that is not one, 422 for one refused."""
     if req.callback_url is None:
         return
     try:
         webhooks.check_url(req.callback_url, deps.settings)
+    except webhooks.UrlMalformed as exc:
+        raise malformed("callback_url", f"callback_url: {exc}") from None
     except webhooks.UrlRefused as exc:
         raise bad_request("callback_url", f"callback_url: {exc}") from None
 
@@ -156,18 +179,11 @@ def _check_prompt(deps: SubmitDeps, lane: Lane, req: JobRequest, prompt_tokens: 
 
 def _check_session(deps: SubmitDeps, tenant: Tenant,
                    session_id: str | None) -> SessionRecord | None:
-    """The tenant's session (None for a new one); 403 when another tenant holds the id."""
+    """The tenant's session of this id (None for a new one). Sessions are keyed by tenant
+    and id: another tenant's session of the same id is another session, never a 403."""
     if session_id is None:
         return None
-    session = deps.store.get_session(session_id)
-    if session is not None and session.tenant_id != tenant.id:
-        raise _session_forbidden()
-    return session
-
-
-def _session_forbidden() -> ApiError:
-    return ApiError(403, "session_id", "session_id: this session belongs to another tenant",
-                    kind="forbidden")
+    return deps.store.get_session(session_id, tenant.id)
 
 
 # -- replay, route, charge -----------------------------------------------------------
@@ -224,18 +240,13 @@ def persist(deps: SubmitDeps, checked: Checked, decision: router.Route,
     accept (the deadline rule: scheduler/reconcile.py)."""
     req = checked.req
     payload = _payload(deps, checked, str(uuid.uuid4()), system)
-    try:
-        job, created, turn = deps.store.create_job(
-            payload.job_id, checked.tenant.id, req.lane, decision.queue, checked.priority,
-            req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
-            idempotency_key=checked.idempotency_key, lora=req.lora,
-            route_reason=decision.reason, payload=payload.to_dict(),
-            callback_url=req.callback_url or checked.tenant.webhook_url,
-            trace_id=tracing.current_trace_id())
-    except SessionOwnerError:
-        # Another tenant took the session id after check() read it. The transaction
-        # rolled back with it: there is no row to take back.
-        raise _session_forbidden() from None
+    job, created, turn = deps.store.create_job(
+        payload.job_id, checked.tenant.id, req.lane, decision.queue, checked.priority,
+        req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
+        idempotency_key=checked.idempotency_key, lora=req.lora,
+        route_reason=decision.reason, payload=payload.to_dict(),
+        callback_url=req.callback_url or checked.tenant.webhook_url,
+        trace_id=tracing.current_trace_id())
     return job, created, replace(payload, turn=turn)
 
 
@@ -244,7 +255,7 @@ def _payload(deps: SubmitDeps, checked: Checked, job_id: str, system: str) -> Ge
     return GeneratePayload(
         job_id=job_id, lane=req.lane, prompt=checked.prompt,
         prompt_tokens=checked.prompt_tokens, sampling=_sampling(req),
-        session_id=req.session_id,
+        session_id=req.session_id, tenant_id=checked.tenant.id,
         deadline_at=time.time() + (req.deadline_s or checked.lane.deadline_s), lora=req.lora,
         shared_prefix_tokens=deps.prompts.count_prefix(system),
         cache_salt=checked.lane.cache_salt(checked.tenant.id),

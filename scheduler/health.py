@@ -16,6 +16,7 @@ from celery import Celery
 from scheduler import control
 from tidegate import keys
 from tidegate.fleet import read_fleet, read_heartbeat
+from tidegate.locks import RedisLock, new_token
 from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
 
@@ -56,13 +57,14 @@ def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
     if len(others) < getattr(settings.lanes[lane], "min_workers", 1):
         return {**base, "action": "restart_deferred",
                 "reason": f"lane {lane} would drop below its minimum of active workers"}
-    lock = keys.scheduler_lock(settings.namespace, "restart", 0)
-    if not client.set(lock, name, nx=True, ex=math.ceil(settings.restart_timeout_s)):
+    lock = RedisLock(client, keys.scheduler_lock(settings.namespace, "restart", 0),
+                     math.ceil(settings.restart_timeout_s), token=new_token(name))
+    if not lock.acquire():
         return {**base, "action": "restart_deferred", "reason": "another restart is running"}
     try:
         return {**base, **rolling_restart(app, client, settings, hb)}
     finally:
-        client.delete(lock)
+        lock.release()
         client.delete(strikes_key)
 
 

@@ -55,7 +55,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -79,6 +78,7 @@ from tidegate import keys
 from tidegate.events import Event, Kind
 from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue, redis_priority
+from tidegate.locks import RedisLock, new_token
 from tidegate.records import ACTIVE_STATUSES, Heartbeat, WorkerState
 from tidegate.settings import Settings
 
@@ -88,10 +88,6 @@ RECONCILE_BATCH = 500  # unended jobs looked at per pass, oldest first
 MAX_SCANNED = 20_000  # queued and unacked messages read per pass at most
 MAX_MOVED = 1000  # messages moved out of dead workers' direct queues per pass
 HOLD_S = 30  # the holder lock lapses if a pass died without releasing it
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
 
 
 @dataclass
@@ -117,14 +113,14 @@ class Pass:
 
 def reconcile(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
     """One pass, if no other runs now; returns what it did."""
-    lock, token = keys.scheduler_lock(settings.namespace, "reconciling", 0), uuid.uuid4().hex
-    if not client.set(lock, token, nx=True, ex=HOLD_S):
+    lock = RedisLock(client, keys.scheduler_lock(settings.namespace, "reconciling", 0), HOLD_S)
+    if not lock.acquire():
         return {"acted": False, "reason": "another pass is running"}
     try:
         run = Pass(app, client, store, settings, fleet=read_fleet(client, settings.namespace))
         return {"acted": True, "actions": _reconcile(run)}
     finally:
-        client.eval(RELEASE, 1, lock, token)
+        lock.release()
 
 
 def _reconcile(run: Pass) -> list[dict[str, Any]]:
@@ -264,14 +260,14 @@ def _move_one(run: Pass, pipe: Any, sub: str) -> bool:
 def _act(run: Pass, job: JobRecord) -> dict[str, Any] | None:
     """Sends the job again or ends it, holding its lease; None when an attempt took the
     job meanwhile or it ended."""
-    lease = keys.job_lease(run.ns, job.id)
-    owner = f"reconciler/{uuid.uuid4().hex[:12]}"
-    if not run.client.set(lease, owner, nx=True, ex=keys.lease_ttl_s(run.settings.heartbeat_s)):
+    lease = RedisLock(run.client, keys.job_lease(run.ns, job.id),
+                      keys.lease_ttl_s(run.settings.heartbeat_s), token=new_token("reconciler"))
+    if not lease.acquire():
         return None
     try:
         action = _decide(run, job)
     finally:
-        run.client.eval(RELEASE, 1, lease, owner)
+        lease.release()
     if action is not None:
         run.client.hdel(keys.reconcile_suspects(run.ns), job.id)
         log.warning("reconcile: job %s (%s, no message, no lease): %s", job.id, job.status,
@@ -311,7 +307,7 @@ def _route(run: Pass, job: JobRecord) -> tuple[str, str]:
     lane = run.settings.lanes[job.lane]
     views = [router.WorkerView.from_heartbeat(hb) for hb in run.fleet]
     backlog = queue_lengths(run.client, [pool_queue(lane, pool) for pool in lane.pools])
-    session = run.store.get_session(job.session_id) if job.session_id else None
+    session = run.store.get_session(job.session_id, job.tenant_id) if job.session_id else None
     sticky = session.last_worker if session and run.settings.session_affinity else None
     try:
         route = router.route(lane, views, backlog, lambda n: keys.direct_queue(run.ns, n),

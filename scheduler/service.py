@@ -8,6 +8,7 @@ sent twice (a beat taking over from one that stalled) acts once. Two periodic
 tasks: the tick (traffic, desired states, pre-warm, health) every `scheduler_tick_s`, and
 the reconciler (scheduler/reconcile.py: Redis made to agree with the store) every
 `reconcile_s`, on a thread of its own so a long tick (a rolling restart) never holds it.
+A third, the retention purge (scheduler/retention.py), runs every `retention_purge_s`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import Any
 
 from celery import Celery
 
-from scheduler import autoscale, control, health, metrics, reconcile
+from scheduler import autoscale, control, health, metrics, reconcile, retention
 from scheduler.beat import beat_config
 from store import Store
 from tasks.app import make_app, run_celery
-from tidegate import keys, redisconn
+from tidegate import keys, locks, redisconn
 from tidegate.logs import setup_logging
 from tidegate.settings import Settings, get_settings
 
@@ -31,6 +32,7 @@ log = logging.getLogger("tidegate.scheduler")
 
 TICK = "tidegate.scheduler.tick"
 RECONCILE = "tidegate.scheduler.reconcile"
+PURGE = "tidegate.scheduler.purge"
 
 
 def scheduler_queue(settings: Settings) -> str:
@@ -40,8 +42,7 @@ def scheduler_queue(settings: Settings) -> str:
 def take_period(client: Any, namespace: str, name: str, period_s: float) -> int | None:
     """The current period's number if this process is the one to act in it, else None."""
     period = int(time.time() // period_s)
-    key = keys.scheduler_lock(namespace, name, period)
-    if client.set(key, "1", nx=True, px=int(period_s * 2000)):
+    if locks.take_period(client, keys.scheduler_lock(namespace, name, period), period_s):
         return period
     return None
 
@@ -84,6 +85,15 @@ def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -
     return result
 
 
+def purge_pass(client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+    """One retention purge per period, by one scheduler; what it removed is recorded."""
+    if take_period(client, settings.namespace, "purge", settings.retention_purge_s) is None:
+        return {"acted": False}
+    removed = retention.purge(store, settings)
+    record_action(client, settings.namespace, {"action": "purge", **removed})
+    return {"acted": True, **removed}
+
+
 def make_scheduler_app(settings: Settings) -> Celery:
     app = make_app(settings)
     app.conf.update(beat_config(settings))
@@ -94,9 +104,12 @@ def make_scheduler_app(settings: Settings) -> Celery:
         "reconcile": {"task": RECONCILE, "schedule": settings.reconcile_s,
                       "options": {"queue": scheduler_queue(settings),
                                   "expires": max(5 * settings.reconcile_s, 10.0)}},
+        "purge": {"task": PURGE, "schedule": settings.retention_purge_s,
+                  "options": {"queue": scheduler_queue(settings),
+                              "expires": settings.retention_purge_s}},
     }
-    client = redisconn.sync_client(settings.redis_url)
-    store = Store(settings.db_url)
+    client = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
+    store = Store(settings.db_url, **settings.store_timeouts)
 
     @app.task(name=TICK, ignore_result=True, acks_late=False)
     def _tick() -> dict[str, Any]:
@@ -106,15 +119,20 @@ def make_scheduler_app(settings: Settings) -> Celery:
     def _reconcile() -> dict[str, Any]:
         return reconcile_pass(app, client, store, settings)
 
+    @app.task(name=PURGE, ignore_result=True, acks_late=False)
+    def _purge() -> dict[str, Any]:
+        return purge_pass(client, store, settings)
+
     return app
 
 
 def run_scheduler(loglevel: str = "INFO") -> None:
     settings = get_settings()
     setup_logging(settings, "scheduler")
-    metrics.serve(settings, redisconn.sync_client(settings.redis_url), Store(settings.db_url))
+    metrics.serve(settings, redisconn.sync_client(settings.redis_url, **settings.redis_timeouts),
+                  Store(settings.db_url, **settings.store_timeouts))
     app = make_scheduler_app(settings)
-    # Threads: a tick, a reconciler pass, and one spare for a tick that runs long.
-    run_celery(app, ["worker", "-B", "-P", "threads", "-c", "3", "-Q",
+    # Threads: a tick, a reconciler pass, a purge, and one spare for a tick that runs long.
+    run_celery(app, ["worker", "-B", "-P", "threads", "-c", "4", "-Q",
                      scheduler_queue(settings), "-n", f"scheduler-{int(time.time())}@%h",
                      "--loglevel", loglevel, "--without-gossip", "--without-mingle"])

@@ -30,7 +30,6 @@ from store.models import (
 )
 from store.records import (
     JobRecord,
-    SessionOwnerError,
     SessionRecord,
     TenantExistsError,
     TenantRecord,
@@ -52,7 +51,6 @@ __all__ = [
     "ChatSession",
     "Job",
     "JobRecord",
-    "SessionOwnerError",
     "SessionRecord",
     "Store",
     "Tenant",

@@ -8,19 +8,28 @@ submitted again finds its job.
 
 from __future__ import annotations
 
+import re
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, insert, select, update
 
 from store.db import Store, utcnow
-from store.models import Batch, File, Job, Tenant
+from store.models import Batch, File, FilePart, Job, Tenant
 from store.records import JobRecord, TenantRecord, job_record, tenant_record
 
 OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED_STATUSES = ("completed", "failed", "expired", "cancelled")
+# Every file id this store hands out; anything else is no file, answered without a query
+# (PostgreSQL refuses a NUL in a string parameter with an error, not an empty result).
+FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+# A file's text is stored in parts of this many characters (file_parts), written in order
+# and read one at a time: serving a file never holds it whole (a part is at most 1 MiB of
+# UTF-8, and as a Python string at most 1 MiB too: 4 bytes a character at worst).
+PART_CHARS = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,24 @@ class FileRecord:
     filename: str
     bytes: int
     created_at: datetime
+    expires_at: datetime | None  # when the purge deletes it (None: rows before 0013)
+
+
+@dataclass(frozen=True)
+class FileQuota:
+    """What one tenant may store: files, and their bytes (outputs included)."""
+
+    files: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Deletion:
+    """What a delete did: `found` the tenant's file; `in_use_by` the open batch whose
+    input it is, when it was kept for that batch."""
+
+    found: bool
+    in_use_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +86,7 @@ class BatchRecord:
     expired_at: datetime | None
     cancelling_at: datetime | None
     cancelled_at: datetime | None
+    output_expires_after_s: int | None = None  # its output files' lifetime (api/files.py)
 
 
 _FILE_FIELDS = [f.name for f in fields(FileRecord)]
@@ -83,36 +111,116 @@ class Batches:
 
     # -- files ---------------------------------------------------------------------
 
-    def create_file(self, tenant_id: int, purpose: str, filename: str, content: str) -> FileRecord:
-        row = File(id=f"file-{secrets.token_hex(12)}", tenant_id=tenant_id, purpose=purpose,
-                   filename=filename, bytes=len(content.encode()), content=content,
-                   created_at=utcnow())
+    def create_file(self, tenant_id: int, purpose: str, filename: str, content: str,
+                    expires_after_s: float | None = None) -> FileRecord:
+        """A file written by the system (a batch's output): never refused by a quota."""
         with self.store._write() as session:
-            session.add(row)
-            session.flush()
-            return _file(row)
+            return self._add_file(session, tenant_id, purpose, filename, content,
+                                  len(content.encode()), expires_after_s)
+
+    def upload_file(self, tenant_id: int, purpose: str, filename: str, content: str,
+                    size: int, expires_after_s: float, quota: FileQuota) -> FileRecord | str:
+        """A tenant's upload (`size`: its UTF-8 bytes), or the name of the quota it would
+        pass ("files", "bytes"). The count and the insert share one transaction under the
+        tenant's row lock (PostgreSQL; SQLite's write lock), so concurrent uploads cannot
+        pass a quota together."""
+        with self.store._write() as session:
+            session.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
+            count, stored = session.execute(
+                select(func.count(), func.coalesce(func.sum(File.bytes), 0))
+                .where(File.tenant_id == tenant_id)).one()
+            if count + 1 > quota.files:
+                return "files"
+            if stored + size > quota.bytes:
+                return "bytes"
+            return self._add_file(session, tenant_id, purpose, filename, content, size,
+                                  expires_after_s)
+
+    def _add_file(self, session: Any, tenant_id: int, purpose: str, filename: str,
+                  content: str, size: int, expires_after_s: float | None) -> FileRecord:
+        now = utcnow()
+        expires = now + timedelta(seconds=expires_after_s) if expires_after_s is not None else None
+        row = File(id=f"file-{secrets.token_hex(12)}", tenant_id=tenant_id, purpose=purpose,
+                   filename=filename, bytes=size, created_at=now, expires_at=expires)
+        session.add(row)
+        session.flush()
+        for seq, start in enumerate(range(0, max(len(content), 1), PART_CHARS)):
+            session.execute(insert(FilePart).values(file_id=row.id, seq=seq,
+                                                    text=content[start:start + PART_CHARS]))
+        return _file(row)
 
     def get_file(self, file_id: str, tenant_id: int) -> FileRecord | None:
+        if not FILE_ID.fullmatch(file_id):
+            return None
         with self.store._read() as session:
             row = session.get(File, file_id)
             return _file(row) if row is not None and row.tenant_id == tenant_id else None
 
     def file_content(self, file_id: str, tenant_id: int) -> str | None:
+        """The whole text, read in one transaction (the batch driver parses it); to serve
+        a file, `file_parts`."""
+        if not FILE_ID.fullmatch(file_id):
+            return None
         with self.store._read() as session:
             row = session.get(File, file_id)
-            return row.content if row is not None and row.tenant_id == tenant_id else None
+            if row is None or row.tenant_id != tenant_id:
+                return None
+            return "".join(session.scalars(select(FilePart.text)
+                                           .where(FilePart.file_id == file_id)
+                                           .order_by(FilePart.seq)))
+
+    def file_parts(self, file_id: str) -> Iterator[str]:
+        """The file's text a part at a time, each read in a short transaction of its own
+        (no connection is held between two). Ends early if the file is deleted meanwhile:
+        a response then ends short of its Content-Length, and the client sees it cut."""
+        seq = 0
+        while True:
+            with self.store._read() as session:
+                text = session.scalar(select(FilePart.text).where(FilePart.file_id == file_id,
+                                                                  FilePart.seq == seq))
+            if text is None:
+                return
+            yield text
+            seq += 1
+
+    def delete_file(self, file_id: str, tenant_id: int) -> Deletion:
+        """Deletes the tenant's file, unless it is the input of an open batch (the batch
+        reads it until it ends): the file's row is locked first, so a batch's end and a
+        purge never see it half gone."""
+        if not FILE_ID.fullmatch(file_id):
+            return Deletion(found=False)
+        with self.store._write() as session:
+            row = session.execute(select(File.tenant_id).where(File.id == file_id)
+                                  .with_for_update()).first()
+            if row is None or row.tenant_id != tenant_id:
+                return Deletion(found=False)
+            user = session.scalar(select(Batch.id).where(Batch.input_file_id == file_id,
+                                                         Batch.status.in_(OPEN_STATUSES))
+                                  .limit(1))
+            if user is not None:
+                return Deletion(found=True, in_use_by=user)
+            session.execute(delete(FilePart).where(FilePart.file_id == file_id))
+            session.execute(delete(File).where(File.id == file_id))
+            return Deletion(found=True)
+
+    def open_batch_count(self, tenant_id: int) -> int:
+        """The tenant's batches not ended (TIDEGATE_TENANT_MAX_OPEN_BATCHES bounds them)."""
+        with self.store._read() as session:
+            return int(session.scalar(select(func.count()).select_from(Batch).where(
+                Batch.tenant_id == tenant_id, Batch.status.in_(OPEN_STATUSES))) or 0)
 
     # -- batches -------------------------------------------------------------------
 
     def create_batch(self, tenant_id: int, endpoint: str, window: timedelta,
                      window_name: str, input_file_id: str, total: int,
-                     meta: dict[str, Any] | None) -> BatchRecord:
+                     meta: dict[str, Any] | None,
+                     output_expires_after_s: int | None = None) -> BatchRecord:
         now = utcnow()
         row = Batch(id=f"batch_{secrets.token_hex(12)}", tenant_id=tenant_id,
                     status="validating", endpoint=endpoint, completion_window=window_name,
                     input_file_id=input_file_id, total=total, submitted=0, completed=0,
                     failed=0, line_errors=[], meta=meta, created_at=now,
-                    expires_at=now + window)
+                    expires_at=now + window, output_expires_after_s=output_expires_after_s)
         with self.store._write() as session:
             session.add(row)
             session.flush()
@@ -131,7 +239,7 @@ class Batches:
         if after is not None:
             with self.store._read() as session:
                 mark = session.get(Batch, after)
-            if mark is not None:
+            if mark is not None and mark.tenant_id == tenant_id:  # never another's place
                 stmt = stmt.where((Batch.created_at < mark.created_at)
                                   | ((Batch.created_at == mark.created_at) & (Batch.id < after)))
         stmt = stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit)

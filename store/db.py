@@ -42,7 +42,14 @@ from sqlalchemy.orm import Session, defer, sessionmaker
 if TYPE_CHECKING:
     from alembic.config import Config
 
-from store.engine import WRITE_OPTION, is_sqlite_memory, make_engine, normalize_url
+from store.engine import (
+    CONNECT_TIMEOUT_S,
+    STATEMENT_TIMEOUT_S,
+    WRITE_OPTION,
+    is_sqlite_memory,
+    make_engine,
+    normalize_url,
+)
 from store.hot import HotStatements
 from store.models import (
     ACTIVE_STATUSES,
@@ -63,7 +70,6 @@ from store.models import (
 from store.records import (
     JOB_FIELDS,
     JobRecord,
-    SessionOwnerError,
     SessionRecord,
     TenantExistsError,
     TenantRecord,
@@ -138,6 +144,40 @@ class FirstToken:
 
 
 _NO_FIRST_TOKEN: dict[str, Any] = {"first_at": None, "ttft": None, "cached": None}
+
+
+def _same_end(job: Mapping[str, Any], status: str, end: datetime) -> bool:
+    """Whether the row already holds this end: its status, written at `end`."""
+    return job["status"] == status and job["finished_at"] == end
+
+
+def _end_locked(conn: Connection, job: dict[str, Any], status: str, end: datetime,
+                values: dict[str, Any], first: dict[str, Any]) -> tuple[bool, JobRecord]:
+    """Store.end_job on the row read locked (`job`, its columns): (whether this call moved
+    it to `status`, the row as it then is)."""
+    if _same_end(job, status, end):
+        return True, row_job_record(job)
+    if job["status"] in TERMINAL_STATUSES and job["status"] not in _STOPPED:
+        return False, row_job_record(job)
+    was_open = job["finished_at"] is None
+    active = job["status"] in ACTIVE_STATUSES
+    changes: dict[str, Any] = {name: value for name, value in values.items()
+                               if value is not None and (active or job[name] is None)}
+    if job["first_token_at"] is None and first["first_at"] is not None:
+        changes.update(first_token_at=first["first_at"], ttft_ms=first["ttft"],
+                       cached_tokens=first["cached"])
+    job.update(changes)
+    if job["tpot_ms"] is None:
+        changes["tpot_ms"] = _tpot_ms(job["first_token_at"], end, job["completion_tokens"])
+    changes["payload"] = None
+    if active:
+        changes["status"] = status
+    job.update(changes)
+    conn.execute(update(_JOBS).where(_JOBS.c.id == job["id"]).values(**changes))
+    if was_open and job["callback_url"]:
+        conn.execute(insert(_WEBHOOK_DELIVERIES).values(
+            **_webhook_outbox_row(job["id"], job["tenant_id"], job["callback_url"])))
+    return active, row_job_record(job)
 
 
 def _tpot_ms(
@@ -362,9 +402,14 @@ _COUNT_IN_FLIGHT = (select(func.count()).select_from(_JOBS)
 
 
 class Store:
-    def __init__(self, url: str, **engine_options: Any) -> None:
+    def __init__(self, url: str, *, connect_timeout_s: int = CONNECT_TIMEOUT_S,
+                 statement_timeout_s: float = STATEMENT_TIMEOUT_S, **engine_options: Any) -> None:
+        """The store at `url`. On PostgreSQL a connection that cannot be made within
+        `connect_timeout_s`, or a statement running longer than `statement_timeout_s` (0:
+        no bound), fails with OperationalError (store/engine.py)."""
         self.url = normalize_url(url)
-        self.engine = make_engine(self.url, **engine_options)
+        self.engine = make_engine(self.url, connect_timeout_s=connect_timeout_s,
+                                  statement_timeout_s=statement_timeout_s, **engine_options)
         self.sessionmaker = sessionmaker(self.engine, expire_on_commit=False)
         self._write_engine = self.engine.execution_options(**{WRITE_OPTION: True})
         self._write_sessions = sessionmaker(self._write_engine, expire_on_commit=False)
@@ -416,14 +461,17 @@ class Store:
     # -- tenants ---------------------------------------------------------------------
 
     def create_tenant(self, name: str, lanes: list[str], requests_per_minute: int | None = None,
-                      tokens_per_minute: int | None = None) -> tuple[TenantRecord, str]:
-        """Create a tenant; returns its record and its API key (only the hash is stored)."""
+                      tokens_per_minute: int | None = None,
+                      max_priority: int | None = None) -> tuple[TenantRecord, str]:
+        """Create a tenant; returns its record and its API key (only the hash is stored).
+        max_priority: the most its jobs may ask (None: each lane's default priority)."""
         if not name:
             raise ValueError("tenant name is empty")
         api_key = new_api_key()
         tenant = Tenant(
             name=name, lanes=list(lanes), created_at=utcnow(),
             requests_per_minute=requests_per_minute, tokens_per_minute=tokens_per_minute,
+            max_priority=max_priority,
         )
         try:
             with self._write() as session:
@@ -498,9 +546,8 @@ class Store:
         turn counted here, in the same transaction.
 
         With an idempotency key this tenant already used, that job comes back with
-        created=False and turn 0, and no turn is counted. A session owned by another
-        tenant raises SessionOwnerError and writes nothing: the API checked the owner
-        before, so only a race gets here, and the rollback leaves no row to take back.
+        created=False and turn 0, and no turn is counted. The session is the tenant's
+        (session_id names it within the tenant: store/models.py ChatSession).
 
         trace_id: the submit's OpenTelemetry trace (tidegate/tracing.py), None if untraced.
         """
@@ -705,7 +752,14 @@ class Store:
         marked the first token); `first_token`: one it did not write, which this end writes
         as mark_first_token would (a job whose first token came with its end). The usual
         end, of a job still running, is then one UPDATE; any other goes through a read of
-        the locked row."""
+        the locked row.
+
+        Safe to retry: a call whose first try committed but whose reply was lost (the
+        connection dropped after COMMIT) finds its own end in the row, the same status at
+        the same `finished_at`, and answers (True, row) as the first try would have. Without
+        that the retry read "already ended" and a worker told its consumer `cancelled` for a
+        job that was done. So a caller that retries passes the same `finished_at` each try
+        (workers/runner.py does: its arguments are built once, then retried)."""
         if status not in TERMINAL_STATUSES:
             raise ValueError(f"not a terminal status: {status!r}")
         end = _aware(finished_at) if finished_at else utcnow()
@@ -728,29 +782,7 @@ class Store:
                                  {"job_id": job_id}).mappings().one_or_none()
             if found is None:
                 return False, None
-            job = dict(found)
-            if job["status"] in TERMINAL_STATUSES and job["status"] not in _STOPPED:
-                return False, row_job_record(job)
-            was_open = job["finished_at"] is None
-            active = job["status"] in ACTIVE_STATUSES
-            changes: dict[str, Any] = {name: value for name, value in values.items()
-                                       if value is not None and (active or job[name] is None)}
-            if job["first_token_at"] is None and first["first_at"] is not None:
-                changes.update(first_token_at=first["first_at"], ttft_ms=first["ttft"],
-                               cached_tokens=first["cached"])
-            job.update(changes)
-            if job["tpot_ms"] is None:
-                changes["tpot_ms"] = _tpot_ms(job["first_token_at"], end,
-                                              job["completion_tokens"])
-            changes["payload"] = None
-            if active:
-                changes["status"] = status
-            job.update(changes)
-            conn.execute(update(_JOBS).where(Job.id == job_id).values(**changes))
-            if was_open and job["callback_url"]:
-                conn.execute(insert(_WEBHOOK_DELIVERIES).values(
-                    **_webhook_outbox_row(job["id"], job["tenant_id"], job["callback_url"])))
-            return active, row_job_record(job)
+            return _end_locked(conn, dict(found), status, end, values, first)
 
     def _end_running(self, job_id: str, status: str, end: datetime, first_token_at: datetime,
                      finish_reason: str | None, output_text: str | None,
@@ -867,49 +899,46 @@ class Store:
 
     # -- chat sessions ---------------------------------------------------------------
 
-    def touch_session(self, session_id: str, tenant_id: int, worker: str | None) -> int:
-        """Count one more turn of a chat session (created on first use); returns the turn.
+    # A session is the tenant's: every lookup and write names the tenant with the id, so
+    # another tenant's use of the same id is another session (nothing to refuse or leak).
 
-        worker, when given, becomes the session's last worker (for affinity). A session id
-        owned by another tenant raises SessionOwnerError.
-        """
+    def touch_session(self, session_id: str, tenant_id: int, worker: str | None) -> int:
+        """Count one more turn of the tenant's chat session (created on first use); returns
+        the turn. worker, when given, becomes the session's last worker (for affinity)."""
         with self._write() as session:
             return self._count_turn(session, session_id, tenant_id, worker)
 
     def _count_turn(self, session: Session | Connection, session_id: str, tenant_id: int,
                     worker: str | None) -> int:
-        """touch_session inside the caller's transaction: the raise rolls it back."""
+        """touch_session inside the caller's transaction."""
         insert = postgresql.insert if self.engine.dialect.name == "postgresql" else sqlite.insert
         stmt = insert(ChatSession).values(
             id=session_id, tenant_id=tenant_id, turns=1, last_worker=worker, last_seen=utcnow()
         )
         stmt = stmt.on_conflict_do_update(
-            index_elements=[ChatSession.id],
+            index_elements=[ChatSession.tenant_id, ChatSession.id],
             set_={
                 "turns": ChatSession.turns + 1,
                 "last_worker": func.coalesce(stmt.excluded.last_worker, ChatSession.last_worker),
                 "last_seen": stmt.excluded.last_seen,
             },
-            where=ChatSession.tenant_id == stmt.excluded.tenant_id,
         )
-        turns = session.scalar(stmt.returning(ChatSession.turns))
-        if turns is None:
-            raise SessionOwnerError(session_id)
-        return int(turns)
+        return int(session.scalar(stmt.returning(ChatSession.turns)) or 0)
 
-    def set_session_worker(self, session_id: str, worker: str) -> None:
-        """The worker that now holds the session's prefix (session affinity)."""
-        stmt = (update(ChatSession).where(ChatSession.id == session_id)
+    def set_session_worker(self, session_id: str, tenant_id: int, worker: str) -> None:
+        """The worker that now holds the tenant's session's prefix (session affinity)."""
+        stmt = (update(ChatSession)
+                .where(ChatSession.tenant_id == tenant_id, ChatSession.id == session_id)
                 .values(last_worker=worker))
         with self._write() as session:
             session.execute(stmt)
 
-    def get_session(self, session_id: str, tenant_id: int | None = None) -> SessionRecord | None:
+    def get_session(self, session_id: str, tenant_id: int) -> SessionRecord | None:
+        """The tenant's session of this id; None when the tenant has none (another tenant's
+        session of the same id is not this one)."""
         with self._read() as session:
-            chat = session.get(ChatSession, session_id)
-            if chat is None or (tenant_id is not None and chat.tenant_id != tenant_id):
-                return None
-            return session_record(chat)
+            chat = session.get(ChatSession, (tenant_id, session_id))
+            return session_record(chat) if chat is not None else None
 
     # -- traffic ---------------------------------------------------------------------
 

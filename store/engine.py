@@ -4,6 +4,14 @@ SQLite is used from many threads at once (a Celery threads-pool worker, FastAPI)
 connection gets WAL (readers do not block the writer), a busy timeout (writers wait for
 each other instead of failing) and explicit transactions: writes start with
 BEGIN IMMEDIATE so a transaction that reads then writes cannot hit SQLITE_BUSY halfway.
+
+PostgreSQL connections are bounded in time (`_postgres_connect_args`): a connection that
+cannot be made within `connect_timeout_s` fails, a statement the server runs longer than
+`statement_timeout_s` is cancelled by the server, and the kernel gives up on a peer that
+stops acknowledging (a partition) instead of waiting out TCP's retransmissions (~15 min).
+Each failure is an OperationalError, which the API answers 503 and workers retry: a
+blackholed database costs a caller its timeout, never a thread for good. They apply to
+the hot statements too (store/hot.py): those run on the same pool's connections.
 """
 
 from __future__ import annotations
@@ -17,6 +25,13 @@ from sqlalchemy.exc import DisconnectionError
 from sqlalchemy.pool import StaticPool
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+# PostgreSQL's bounds (TIDEGATE_DATABASE_CONNECT_TIMEOUT_S, _STATEMENT_TIMEOUT_S set them;
+# these are their defaults, for a Store made without settings). libpq counts the connect
+# timeout in whole seconds and takes 2 as its least.
+CONNECT_TIMEOUT_S = 5
+STATEMENT_TIMEOUT_S = 30.0
+KEEPALIVE_PROBES = 3  # unanswered TCP keepalives before the kernel drops a connection
+PARTITION_S = 10  # data unacknowledged this long (at least): the peer is gone
 # Execution option carried by the store's write sessions; read in the "begin" hook.
 WRITE_OPTION = "tidegate_write"
 
@@ -33,11 +48,16 @@ def is_sqlite_memory(url: URL) -> bool:
     return url.get_backend_name() == "sqlite" and url.database in (None, "", ":memory:")
 
 
-def make_engine(url: str | URL, **options: Any) -> Engine:
-    """An Engine for url; options go to create_engine."""
+def make_engine(url: str | URL, *, connect_timeout_s: int = CONNECT_TIMEOUT_S,
+                statement_timeout_s: float = STATEMENT_TIMEOUT_S, **options: Any) -> Engine:
+    """An Engine for url; options go to create_engine. The timeouts bound PostgreSQL's
+    connections (statement_timeout_s 0: none); SQLite has its busy timeout instead."""
     parsed = normalize_url(url)
     if parsed.get_backend_name() == "sqlite":
         return _sqlite_engine(parsed, options)
+    options["connect_args"] = {
+        **_postgres_connect_args(parsed, connect_timeout_s, statement_timeout_s),
+        **options.get("connect_args", {})}
     # Long-lived workers outlive database restarts: a connection is checked before use,
     # unless it was in use a moment ago (SQLAlchemy's pool_pre_ping checks every
     # checkout: a round trip that was a tenth of a submit's and of a job's store time).
@@ -57,6 +77,33 @@ def make_engine(url: str | URL, **options: Any) -> Engine:
 
 
 PING_WHEN_IDLE_S = 1.0  # a pooled connection idle longer is pinged when checked out
+
+
+def _postgres_connect_args(url: URL, connect_timeout_s: int,
+                           statement_timeout_s: float) -> dict[str, Any]:
+    """libpq's connection parameters for the bounds (a parameter the URL's query sets
+    itself is left as the URL has it; `options` gets the statement timeout added)."""
+    if connect_timeout_s < 2:
+        raise ValueError(f"connect_timeout_s {connect_timeout_s}: libpq's least is 2 s")
+    args: dict[str, Any] = {
+        "connect_timeout": connect_timeout_s,
+        # Unacknowledged data, or keepalives unanswered this long, drop the connection
+        # (Linux): a partitioned server fails the statement instead of hanging it.
+        "tcp_user_timeout": max(connect_timeout_s, PARTITION_S) * 1000,
+        "keepalives": 1,
+        "keepalives_idle": connect_timeout_s,
+        "keepalives_interval": 1,
+        "keepalives_count": KEEPALIVE_PROBES,
+    }
+    args = {name: value for name, value in args.items() if name not in url.query}
+    if statement_timeout_s > 0:
+        # Sent in the startup packet: no round trip of its own, in force from the first
+        # statement, on every connection of the pool.
+        timeout = f"-c statement_timeout={round(statement_timeout_s * 1000)}"
+        given = str(url.query.get("options", ""))
+        if "statement_timeout" not in given:
+            args["options"] = f"{given} {timeout}".strip()
+    return args
 
 
 def _ping_when_idle(engine: Engine, idle_s: float) -> None:

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Text,
     TypeDecorator,
@@ -90,6 +91,10 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     # Where the tenant's jobs without a callback_url of their own report their end.
     webhook_url: Mapped[str | None] = mapped_column(String(2048))
+    # The highest public priority (0-9, 9 most urgent) the tenant's jobs may ask; None:
+    # the lane's default priority, so no tenant jumps ahead of a shared lane's traffic
+    # unless an admin grants it (api/submit.py).
+    max_priority: Mapped[int | None] = mapped_column(Integer)
 
 
 class Job(Base):
@@ -112,6 +117,11 @@ class Job(Base):
               postgresql_where=text("finished_at IS NULL")),
         # A tenant's jobs listed in acceptance order, page after page (GET /v1/jobs).
         Index(None, "tenant_id", "enqueued_at", "id"),
+        # The retention purge's scan (scheduler/retention.py): ended jobs that still hold
+        # output text, oldest first. Partial: its size is the retention window's jobs.
+        Index("ix_jobs_text_kept", "finished_at",
+              sqlite_where=text("output_text IS NOT NULL"),
+              postgresql_where=text("output_text IS NOT NULL")),
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
@@ -156,10 +166,14 @@ class Job(Base):
 
 
 class ChatSession(Base):
-    __tablename__ = "sessions"
+    """A tenant's conversation. Keyed by tenant and id: two tenants' sessions of the same
+    id are two sessions, and no tenant can claim (or learn of) an id another uses."""
 
-    id: Mapped[str] = mapped_column(String(255), primary_key=True)
-    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
+    __tablename__ = "sessions"
+    __table_args__ = (PrimaryKeyConstraint("tenant_id", "id"),)
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    id: Mapped[str] = mapped_column(String(255))
     turns: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     last_worker: Mapped[str | None] = mapped_column(String(255))
     last_seen: Mapped[datetime] = mapped_column(index=True)
@@ -180,7 +194,8 @@ class TrafficSample(Base):
 
 class File(Base):
     """A file uploaded for the Batch API (purpose `batch`), or one a batch wrote (its
-    output and errors, purpose `batch_output`): JSONL text, at most the API's file limit."""
+    output and errors, purpose `batch_output`): JSONL text, at most the API's file limit,
+    held in `file_parts` (migration 0013 moved it there from a `content` column)."""
 
     __tablename__ = "files"
     __table_args__ = (Index(None, "tenant_id", "created_at"),)
@@ -190,8 +205,23 @@ class File(Base):
     purpose: Mapped[str] = mapped_column(String(32))
     filename: Mapped[str] = mapped_column(String(255))
     bytes: Mapped[int] = mapped_column(Integer)
-    content: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime]
+    # The purge (scheduler/retention.py) deletes the file after this (an open batch's
+    # input waits for its batch's end). None on rows written before migration 0013: the
+    # purge counts their retention from created_at.
+    expires_at: Mapped[datetime | None] = mapped_column(index=True)
+
+
+class FilePart(Base):
+    """One slice of a file's text (store/batches.py `PART_CHARS` characters), in order: a
+    file is written, read and served a part at a time, so neither the API nor the
+    database ever loads a whole file to serve it."""
+
+    __tablename__ = "file_parts"
+
+    file_id: Mapped[str] = mapped_column(ForeignKey("files.id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    text: Mapped[str] = mapped_column(Text)
 
 
 class Batch(Base):
@@ -227,6 +257,9 @@ class Batch(Base):
     expired_at: Mapped[datetime | None]
     cancelling_at: Mapped[datetime | None]
     cancelled_at: Mapped[datetime | None]
+    # The batch's output and error files expire this long after they are written
+    # (`output_expires_after.seconds`, else TIDEGATE_BATCH_OUTPUT_RETENTION_DAYS).
+    output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
 
 
 class WebhookSecret(Base):
@@ -237,7 +270,8 @@ class WebhookSecret(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"), index=True)
-    secret: Mapped[str] = mapped_column(String(128))  # whsec_<base64>
+    # whsec_<base64>, sealed with the server's key (a Fernet token: tidegate/sealing.py)
+    secret: Mapped[str] = mapped_column(String(512))
     created_at: Mapped[datetime]
     expires_at: Mapped[datetime | None]
 

@@ -23,14 +23,6 @@ class TenantExistsError(ValueError):
         self.name = name
 
 
-class SessionOwnerError(ValueError):
-    """The session id is already used by another tenant."""
-
-    def __init__(self, session_id: str) -> None:
-        super().__init__(f"session {session_id!r} belongs to another tenant")
-        self.session_id = session_id
-
-
 @dataclass(frozen=True)
 class TenantRecord:
     id: int
@@ -41,6 +33,7 @@ class TenantRecord:
     requests_per_minute: int | None = None  # None: unlimited
     tokens_per_minute: int | None = None
     webhook_url: str | None = None  # the default callback_url of the tenant's jobs
+    max_priority: int | None = None  # the most its jobs may ask; None: the lane's default
 
     @property
     def active(self) -> bool:
@@ -110,6 +103,7 @@ def tenant_record(tenant: Tenant) -> TenantRecord:
         requests_per_minute=tenant.requests_per_minute,
         tokens_per_minute=tenant.tokens_per_minute,
         webhook_url=tenant.webhook_url,
+        max_priority=tenant.max_priority,
     )
 
 

@@ -19,7 +19,8 @@ from store.models import AdminKey, ApiKey, Tenant
 from store.records import TenantRecord, tenant_record
 
 ADMIN_KEY_PREFIX = "tga_"
-TENANT_FIELDS = ("lanes", "requests_per_minute", "tokens_per_minute", "webhook_url")
+TENANT_FIELDS = ("lanes", "requests_per_minute", "tokens_per_minute", "webhook_url",
+                 "max_priority")
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,8 @@ class Tenants:
             return tenant_record(row) if row is not None else None
 
     def update(self, name: str, **values: Any) -> TenantRecord | None:
-        """Change a tenant's lanes, limits or default webhook (TENANT_FIELDS)."""
+        """Change a tenant's lanes, limits, default webhook or highest priority
+        (TENANT_FIELDS; max_priority None: each lane's default priority)."""
         unknown = set(values) - set(TENANT_FIELDS)
         if unknown:
             raise ValueError(f"not a tenant setting: {sorted(unknown)}")

@@ -1,8 +1,12 @@
 """Webhooks in the store: tenants' signing secrets, deliveries and their attempts.
 
 A delivery is written in the transaction that ends its job (store/db.py `_ended`); here
-the dispatcher claims the due ones, and the webhook worker records each attempt
-(tasks/webhooks.py).
+the dispatcher claims the due ones (and fails those past their give-up time), and the
+webhook worker begins, defers or records each attempt (tasks/webhooks.py).
+
+Secrets are stored sealed (tidegate/sealing.py): the `sealer` given opens them for
+signing. A row from before sealing (plain `whsec_...`) still signs until `seal_plain`
+seals it (`tidegate webhooks` does at start).
 """
 
 from __future__ import annotations
@@ -11,13 +15,52 @@ import base64
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Protocol
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import ColumnElement, func, or_, select, update
 
 from store.db import Store, utcnow
 from store.models import Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret
 
 PENDING, SENDING, DELIVERED, FAILED = "pending", "sending", "delivered", "failed"
+PLAIN_PREFIX = "whsec_"
+
+
+class Outcome(StrEnum):
+    """What became of an attempt, as its tenant sees it: a class, never an address or an
+    exception's text (those would make GET /v1/jobs/{id}/deliveries a scanner of what
+    the webhook sender can reach)."""
+
+    SUCCESS = "2xx"
+    REDIRECT = "3xx"  # redirects are not followed
+    CLIENT_ERROR = "4xx"
+    SERVER_ERROR = "5xx"
+    TIMEOUT = "timeout"  # the attempt's deadline passed (TIDEGATE_WEBHOOK_TIMEOUT_S)
+    CONNECT_FAILED = "connect_failed"  # no connection (DNS, refused, unreachable, TLS)
+    BAD_RESPONSE = "bad_response"  # not an HTTP answer, or the connection broke in it
+    RESPONSE_TOO_LARGE = "response_too_large"  # the body went past the read cap
+    REFUSED_BY_POLICY = "refused_by_policy"  # the URL or its addresses are refused
+    NO_SIGNING_SECRET = "no_signing_secret"  # the tenant has none (or it cannot be opened)
+    JOB_GONE = "job_gone"
+    ERROR = "error"  # anything else (a bug: the sender's log says more)
+    GAVE_UP = "gave_up"  # a delivery's end: past TIDEGATE_WEBHOOK_GIVE_UP_S
+
+
+def shown(error: str | None) -> str | None:
+    """An attempt's error as a tenant may see it: rows written before outcome classes
+    hold exception text, shown as `error`."""
+    if error is None or error in Outcome._value2member_map_:
+        return error
+    return Outcome.ERROR.value
+
+
+class Sealer(Protocol):
+    """What seals and opens secrets (cryptography's MultiFernet: tidegate/sealing.py)."""
+
+    def encrypt(self, data: bytes) -> bytes: ...
+
+    def decrypt(self, token: bytes) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -25,7 +68,7 @@ class AttemptRecord:
     attempt: int
     at: datetime
     status_code: int | None
-    error: str | None
+    error: str | None  # the Outcome of a failed attempt; None: delivered
     duration_ms: float
 
 
@@ -52,35 +95,68 @@ def _delivery(row: WebhookDelivery, log: list[AttemptRecord] | None = None) -> D
                           log=log or [])
 
 
+def _live(tenant_id: int, now: datetime) -> tuple[ColumnElement[bool], ...]:
+    return (WebhookSecret.tenant_id == tenant_id,
+            or_(WebhookSecret.expires_at.is_(None), WebhookSecret.expires_at > now))
+
+
 class Webhooks:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, sealer: Sealer | None = None) -> None:
         self.store = store
+        self.sealer = sealer  # needed for secrets only
 
     # -- secrets -------------------------------------------------------------------
 
-    def rotate_secret(self, tenant_id: int, overlap: timedelta) -> str:
+    def rotate_secret(self, tenant_id: int, overlap: timedelta, max_live: int) -> str:
         """A new signing secret (shown once: `whsec_` and 32 random bytes in base64); the
-        tenant's older ones keep signing for `overlap`, then lapse."""
+        tenant's older ones keep signing for `overlap`, then lapse, and of the live ones
+        only the newest `max_live` stay: each signs every delivery, so they are bounded."""
         now = utcnow()
-        secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+        secret = PLAIN_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
+        sealed = self._sealer().encrypt(secret.encode()).decode("ascii")
         with self.store._write() as session:
             session.execute(update(WebhookSecret)
                             .where(WebhookSecret.tenant_id == tenant_id,
                                    or_(WebhookSecret.expires_at.is_(None),
                                        WebhookSecret.expires_at > now + overlap))
                             .values(expires_at=now + overlap))
-            session.add(WebhookSecret(tenant_id=tenant_id, secret=secret, created_at=now))
+            session.add(WebhookSecret(tenant_id=tenant_id, secret=sealed, created_at=now))
+            session.flush()
+            live = session.scalars(select(WebhookSecret.id).where(*_live(tenant_id, now))
+                                   .order_by(WebhookSecret.id.desc()))
+            beyond = list(live)[max_live:]
+            if beyond:
+                session.execute(update(WebhookSecret).where(WebhookSecret.id.in_(beyond))
+                                .values(expires_at=now))
         return secret
 
     def secrets_of(self, tenant_id: int) -> list[str]:
-        """The tenant's live secrets, newest first (a webhook is signed with each)."""
-        now = utcnow()
-        stmt = (select(WebhookSecret.secret)
-                .where(WebhookSecret.tenant_id == tenant_id,
-                       or_(WebhookSecret.expires_at.is_(None), WebhookSecret.expires_at > now))
+        """The tenant's live secrets, newest first (a webhook is signed with each).
+        Raises the sealer's InvalidToken for a secret no key of this process opens."""
+        stmt = (select(WebhookSecret.secret).where(*_live(tenant_id, utcnow()))
                 .order_by(WebhookSecret.id.desc()))
         with self.store._read() as session:
-            return list(session.scalars(stmt))
+            stored = list(session.scalars(stmt))
+        return [self._open(value) for value in stored]
+
+    def _open(self, value: str) -> str:
+        if value.startswith(PLAIN_PREFIX):  # written before sealing; seal_plain seals it
+            return value
+        return self._sealer().decrypt(value.encode("ascii")).decode()
+
+    def seal_plain(self) -> int:
+        """Seals the secrets stored before sealing; returns how many."""
+        with self.store._write() as session:
+            rows = list(session.scalars(select(WebhookSecret).where(
+                WebhookSecret.secret.startswith(PLAIN_PREFIX, autoescape=True))))
+            for row in rows:
+                row.secret = self._sealer().encrypt(row.secret.encode()).decode("ascii")
+            return len(rows)
+
+    def _sealer(self) -> Sealer:
+        if self.sealer is None:
+            raise RuntimeError("Webhooks(store) was made without a sealer: secrets need one")
+        return self.sealer
 
     def set_tenant_url(self, name: str, url: str | None) -> bool:
         with self.store._write() as session:
@@ -90,20 +166,56 @@ class Webhooks:
 
     # -- deliveries ----------------------------------------------------------------
 
-    def claim_due(self, lease: timedelta, limit: int) -> list[DeliveryRecord]:
+    def claim_due(self, lease: timedelta, limit: int, give_up: timedelta | None = None,
+                  per_tenant: int | None = None) -> list[DeliveryRecord]:
         """Deliveries due now, marked `sending` until `lease` from now: one sent and not
-        answered by then (its worker died) is due again, with the same webhook-id."""
+        answered by then (its worker died) is due again, with the same webhook-id. A due
+        delivery older than `give_up` is failed here instead, never claimed again. At most
+        `per_tenant` of one tenant's are claimed at once, the earliest due first: a
+        tenant's backlog cannot fill every claim ahead of another tenant's delivery."""
         now = utcnow()
-        stmt = (select(WebhookDelivery)
-                .where(WebhookDelivery.status.in_((PENDING, SENDING)),
-                       WebhookDelivery.next_attempt_at <= now)
-                .order_by(WebhookDelivery.next_attempt_at).limit(limit)
+        due = (WebhookDelivery.status.in_((PENDING, SENDING)),
+               WebhookDelivery.next_attempt_at <= now)
+        stmt = select(WebhookDelivery).where(*due)
+        if per_tenant is not None:
+            ranked = (select(WebhookDelivery.id, func.row_number().over(
+                partition_by=WebhookDelivery.tenant_id,
+                order_by=WebhookDelivery.next_attempt_at).label("rank")).where(*due).subquery())
+            stmt = stmt.where(WebhookDelivery.id.in_(
+                select(ranked.c.id).where(ranked.c.rank <= per_tenant)))
+        stmt = (stmt.order_by(WebhookDelivery.next_attempt_at).limit(limit)
                 .with_for_update(skip_locked=True))
         with self.store._write() as session:
+            if give_up is not None:
+                session.execute(update(WebhookDelivery)
+                                .where(*due, WebhookDelivery.created_at <= now - give_up)
+                                .values(status=FAILED, last_error=Outcome.GAVE_UP.value))
             rows = list(session.scalars(stmt))
             for row in rows:
                 row.status, row.next_attempt_at = SENDING, now + lease
             return [_delivery(row) for row in rows]
+
+    def begin(self, delivery_id: str, lease: timedelta) -> DeliveryRecord | None:
+        """The claimed delivery, its lease renewed from now for the attempt about to
+        start; None when it is not claimed (delivered, failed, or recorded meanwhile by a
+        duplicate of its task)."""
+        with self.store._write() as session:
+            row = session.get(WebhookDelivery, delivery_id, with_for_update=True)
+            if row is None or row.status != SENDING:
+                return None
+            row.next_attempt_at = utcnow() + lease
+            session.flush()
+            return _delivery(row)
+
+    def defer(self, delivery_id: str, until: datetime) -> bool:
+        """A claimed delivery back to pending until `until`, with no attempt counted (a
+        concurrency cap was full: it waits, it has not failed)."""
+        with self.store._write() as session:
+            done = session.execute(update(WebhookDelivery)
+                                   .where(WebhookDelivery.id == delivery_id,
+                                          WebhookDelivery.status == SENDING)
+                                   .values(status=PENDING, next_attempt_at=until))
+            return bool(done.rowcount)  # type: ignore[attr-defined]
 
     def backlog(self) -> tuple[int, datetime | None]:
         """Deliveries not delivered nor given up yet (pending, or sending), and when the
@@ -119,24 +231,25 @@ class Webhooks:
             row = session.get(WebhookDelivery, delivery_id)
             return _delivery(row) if row is not None else None
 
-    def record_attempt(self, delivery_id: str, status_code: int | None, error: str | None,
+    def record_attempt(self, delivery_id: str, status_code: int | None, outcome: Outcome,
                        duration_ms: float, next_at: datetime | None) -> DeliveryRecord | None:
         """One attempt's outcome: a 2xx delivers; otherwise the delivery is due again at
         `next_at`, or has failed for good (None)."""
         now = utcnow()
-        ok = status_code is not None and 200 <= status_code < 300
+        ok = outcome == Outcome.SUCCESS
         with self.store._write() as session:
             row = session.get(WebhookDelivery, delivery_id, with_for_update=True)
             if row is None or row.status in (DELIVERED, FAILED):
                 return None  # delivered meanwhile: a late duplicate's outcome is dropped
             row.attempts += 1
             session.add(WebhookAttempt(delivery_id=delivery_id, attempt=row.attempts, at=now,
-                                       status_code=status_code, error=error,
+                                       status_code=status_code,
+                                       error=None if ok else outcome.value,
                                        duration_ms=duration_ms))
             if ok:
                 row.status, row.delivered_at, row.last_error = DELIVERED, now, None
             else:
-                row.last_error = error or f"HTTP {status_code}"
+                row.last_error = outcome.value
                 row.status = PENDING if next_at is not None else FAILED
                 row.next_attempt_at = next_at or now
             session.flush()

@@ -44,7 +44,9 @@ def _first_lane_pool(lanes: dict[str, Lane]) -> tuple[Lane, str]:
 
 def make_app(settings: Settings) -> Celery:
     # A Sentinel URL becomes kombu's sentinel:// broker plus the master's name.
-    broker_url, sentinel_options = redisconn.celery_broker(settings.redis_url)
+    # Kombu's connections get the Redis timeouts (its BRPOP blocks 1 s, within them).
+    broker_url, broker_options = redisconn.celery_broker(settings.redis_url,
+                                                         settings.redis_timeouts)
     app = Celery("tidegate", broker=broker_url, set_as_current=False)
     lanes = settings.lanes
     app.conf.update(
@@ -66,8 +68,12 @@ def make_app(settings: Settings) -> Celery:
             "sep": keys.PRIORITY_SEP,
             "queue_order_strategy": "priority",
             "visibility_timeout": visibility_timeout_s(lanes),
-            **sentinel_options,
+            **broker_options,
         },
+        # No result backend today (task_ignore_result): should one be set, its Redis calls
+        # are bounded as the broker's are.
+        redis_socket_connect_timeout=settings.redis_connect_timeout_s,
+        redis_socket_timeout=settings.redis_socket_timeout_s,
         worker_hijack_root_logger=False,
         worker_send_task_events=True,  # Flower shows tasks
         # No `task-sent` events: one more broker publish on every submit, measured as a

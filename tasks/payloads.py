@@ -32,8 +32,9 @@ class GeneratePayload:
     prompt: str  # the rendered prompt (chat template already applied)
     prompt_tokens: int  # counted by the API with the model's tokenizer
     sampling: Sampling
-    session_id: str | None = None
+    session_id: str | None = None  # the tenant's own id for its conversation
     turn: int = 0  # turn number of the session (1-based), 0 for one-shot requests
+    tenant_id: int | None = None  # whose session it is (None: a payload older than this)
     # Epoch seconds, fixed at accept; past it the job ends `expired`. Never moved, also not
     # for time a job lay orphaned (the deadline rule: scheduler/reconcile.py).
     deadline_at: float | None = None
@@ -48,6 +49,14 @@ class GeneratePayload:
     # job sent again by the reconciler stays in its trace. Empty: the API was not tracing.
     trace_context: dict[str, str] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
+
+    @property
+    def session_key(self) -> str | None:
+        """The session's name across tenants (the engine's KV session identity): two
+        tenants' sessions of one id are two sessions."""
+        if self.session_id is None or self.tenant_id is None:
+            return self.session_id
+        return f"{self.tenant_id}:{self.session_id}"
 
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)

@@ -2,112 +2,85 @@
 specification says, by processes of their own (`tidegate webhooks`), never a GPU worker.
 
     outbox      the transaction that ends a job writes its delivery (store/db.py `_ended`)
-    dispatcher  a thread of each webhook process, one at a time (a Redis lock per
-                period): claims the due deliveries and sends each as a Celery task on the
+    dispatcher  a thread of each webhook process, one at a time (a period lock,
+                tidegate/locks.py): fails the deliveries past their give-up time, claims
+                the due ones (at most CLAIM_PER_TENANT of a tenant's a period) for a lease
+                longer than the worst attempt, and sends each as a Celery task on the
                 webhooks queue
-    task        one attempt: check the URL's addresses against the policy, sign with
-                each of the tenant's live secrets, POST with a timeout, record the
-                attempt; a failure is due again after an exponential backoff with
+    task        one attempt (`Sender.attempt`): one in flight per delivery (a lock), a
+                slot of the tenant's and of the host's (concurrency caps across every
+                webhook process; a full cap defers the delivery, it does not fail it),
+                the URL parsed and its addresses vetted once (tasks/webhook_urls.py),
+                signed with each of the tenant's live secrets, POSTed to the vetted
+                address within one total deadline, the answer read up to a cap
+                (tasks/webhook_http.py), and the outcome recorded as a class, whatever
+                was raised; a failure is due again after an exponential backoff with
                 jitter, until `webhook_give_up_s` after the job's end
 
 A delivery keeps its id (the `webhook-id` header) over every attempt, so a receiver
 dedupes on it; a task lost with its process is claimed again when its lease lapses.
-
-The URL policy (`check_url`): http or https, a host, and no private, loopback,
-link-local or otherwise non-public address unless `TIDEGATE_WEBHOOK_ALLOW_PRIVATE` (or
-the host is in `TIDEGATE_WEBHOOK_ALLOW_HOSTS`); hosts in `TIDEGATE_WEBHOOK_DENY_HOSTS`
-never. The API checks what it can without DNS at submit (400 naming `callback_url`); a
-delivery resolves the host and checks every address before it connects.
 """
 
 from __future__ import annotations
 
-import ipaddress
+import contextlib
 import json
 import logging
 import random
-import socket
 import threading
 import time
 from dataclasses import asdict
 from datetime import UTC, datetime, timedelta
-from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
+import redis
 from celery import Celery
 from kombu import Queue
 from standardwebhooks.webhooks import Webhook
 
 from store import JobRecord, Store
-from store.webhooks import DeliveryRecord, Webhooks
+from store.webhooks import DeliveryRecord, Outcome, Sealer, Webhooks
 from tasks.app import make_app, run_celery
-from tidegate import keys, redisconn
+from tasks.webhook_http import Answer, post
+from tasks.webhook_urls import (
+    CallbackUrl,
+    ResolveFailed,
+    Resolver,
+    UrlMalformed,
+    UrlRefused,
+    check_parsed,
+    check_url,
+    parse_url,
+    vet,
+)
+from tidegate import keys, redisconn, sealing
+from tidegate.locks import RedisLock, new_token, take_period
 from tidegate.logs import setup_logging
 from tidegate.settings import Settings, get_settings
+
+__all__ = ["UrlMalformed", "UrlRefused", "check_url"]  # the API's and the CLI's check
 
 log = logging.getLogger("tidegate.webhooks")
 
 DELIVER = "tidegate.webhook.deliver"
 EVENT_TYPE = "job.ended"
 CLAIM_LIMIT = 200  # deliveries the dispatcher sends a period
+CLAIM_PER_TENANT = 50  # of which one tenant's at most: others' deliveries are never behind
 MAX_BACKOFF_S = 3600.0
-MAX_URL = 2048
-
-
-class UrlRefused(ValueError):
-    """A callback URL the policy refuses; the message says why."""
 
 
 def webhook_queue(settings: Settings) -> str:
     return f"{settings.namespace}.webhooks"
 
 
-# -- the URL policy --------------------------------------------------------------------
+def lease_s(settings: Settings) -> float:
+    """A claim's lease, and the life of an attempt's lock and slots: longer than the
+    worst attempt (its total deadline, DNS included) with room to record it and for the
+    task's wait for a thread. A task that waited longer finds its delivery claimed again:
+    `Webhooks.begin` and the in-flight lock make the second one a no-op."""
+    return 2 * settings.webhook_timeout_s + 30
 
 
-def check_url(url: str, settings: Settings, resolve: bool = False) -> str:
-    """The URL's host, if the policy allows it; UrlRefused otherwise. Without `resolve`,
-    only an address literal (or `localhost`) is checked against the private ranges."""
-    if len(url) > MAX_URL:
-        raise UrlRefused(f"longer than {MAX_URL} characters")
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UrlRefused("must be an http:// or https:// URL with a host")
-    host = parts.hostname.lower()
-    if host in _hosts(settings.webhook_deny_hosts):
-        raise UrlRefused(f"host {host!r} is denied (TIDEGATE_WEBHOOK_DENY_HOSTS)")
-    if settings.webhook_allow_private or host in _hosts(settings.webhook_allow_hosts):
-        return host
-    for address in _addresses(host, parts.port, resolve):
-        if not address.is_global:
-            raise UrlRefused(f"host {host!r} is a private, loopback or reserved address "
-                             f"({address}); TIDEGATE_WEBHOOK_ALLOW_PRIVATE allows it")
-    return host
-
-
-def _hosts(setting: str) -> set[str]:
-    return {h.strip().lower() for h in setting.split(",") if h.strip()}
-
-
-def _addresses(host: str, port: int | None,
-               resolve: bool) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    if host == "localhost" or host.endswith(".localhost"):
-        return [ipaddress.ip_address("127.0.0.1")]
-    try:
-        return [ipaddress.ip_address(host.strip("[]"))]
-    except ValueError:
-        pass
-    if not resolve:
-        return []
-    try:
-        infos = socket.getaddrinfo(host, port or 443, proto=socket.IPPROTO_TCP)
-    except OSError as exc:
-        raise UrlRefused(f"host {host!r} does not resolve ({exc})") from None
-    return [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
-
-
-# -- one attempt -----------------------------------------------------------------------
+# -- what is sent ----------------------------------------------------------------------
 
 
 def body_of(job: JobRecord) -> str:
@@ -139,68 +112,180 @@ def backoff_s(attempt: int, base_s: float) -> float:
     return min(base_s * 2 ** (attempt - 1), MAX_BACKOFF_S) * random.uniform(0.5, 1.5)
 
 
-def attempt(delivery_id: str, store: Store, settings: Settings) -> str:
-    """One POST of a delivery; its outcome is recorded. Returns what happened."""
-    hooks = Webhooks(store)
-    delivery = hooks.get(delivery_id)
-    if delivery is None or delivery.status in ("delivered", "failed"):
-        return "nothing to do"
-    job = store.get_job(delivery.job_id)
-    secrets_ = hooks.secrets_of(delivery.tenant_id)
-    if job is None or not secrets_:
-        why = "the job is gone" if job is None else "the tenant has no signing secret"
-        return _record(hooks, delivery, None, why, 0.0, settings)
-    started = time.monotonic()
-    try:
-        check_url(delivery.url, settings, resolve=True)
+# -- concurrency caps ------------------------------------------------------------------
+
+# KEYS: slot sets; ARGV: now (ms), the slot's end (ms), the holder's token, then each
+# set's cap. A set is a sorted set of holders scored by when their slot ends, so a
+# holder that died frees its slot at that time; all slots are taken, or none.
+TAKE_SLOTS = """
+for i, key in ipairs(KEYS) do
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', ARGV[1])
+  if redis.call('ZCARD', key) >= tonumber(ARGV[3 + i]) then return 0 end
+end
+for _, key in ipairs(KEYS) do
+  redis.call('ZADD', key, ARGV[2], ARGV[3])
+  redis.call('PEXPIREAT', key, ARGV[2])
+end
+return 1
+"""
+
+
+class Slots:
+    """Deliveries in flight per tenant and per host, across every webhook process: one
+    tenant's slow receivers hold at most its own slots, never every thread."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.client, self.settings = client, settings
+        self.ttl_ms = int(lease_s(settings) * 1000)
+        self._take = client.register_script(TAKE_SLOTS)  # EVALSHA, loaded when missing
+
+    def _keys(self, tenant_id: int, host: str) -> list[str]:
+        ns = self.settings.namespace
+        return [keys.webhook_slots(ns, "tenant", str(tenant_id)),
+                keys.webhook_slots(ns, "host", host)]
+
+    def take(self, tenant_id: int, host: str, token: str) -> bool:
+        now = int(time.time() * 1000)
+        caps = (self.settings.webhook_tenant_concurrency, self.settings.webhook_host_concurrency)
+        return bool(self._take(keys=self._keys(tenant_id, host),
+                               args=[now, now + self.ttl_ms, token, *caps]))
+
+    def release(self, tenant_id: int, host: str, token: str) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for key in self._keys(tenant_id, host):
+            pipe.zrem(key, token)
+        pipe.execute()
+
+
+# -- one attempt -----------------------------------------------------------------------
+
+
+class Sender:
+    """What a webhook process's tasks share: the store, Redis (locks and slots), the
+    secrets' sealer and the resolver (socket.getaddrinfo unless one is given)."""
+
+    def __init__(self, store: Store, client: redis.Redis, settings: Settings,
+                 sealer: Sealer | None = None, resolve: Resolver | None = None) -> None:
+        self.store, self.client, self.settings, self.resolve = store, client, settings, resolve
+        self.hooks = Webhooks(store, sealer or sealing.sealer(settings))
+        self.slots = Slots(client, settings)
+
+    def attempt(self, delivery_id: str) -> str:
+        """One POST of a claimed delivery, recorded whatever happens. Returns what did."""
+        lease = lease_s(self.settings)
+        delivery = self.hooks.begin(delivery_id, timedelta(seconds=lease))
+        if delivery is None:
+            return "nothing to do"
+        lock = RedisLock(self.client, keys.webhook_sending(self.settings.namespace, delivery_id),
+                         ttl_s=lease)
+        try:
+            if not lock.acquire():
+                return "in flight elsewhere"
+        except redis.RedisError:  # no lock and no caps now: later
+            return self._defer(delivery)
+        try:
+            return self._attempt(delivery)
+        finally:
+            with contextlib.suppress(redis.RedisError):  # it lapses with the lease
+                lock.release()
+
+    def _attempt(self, delivery: DeliveryRecord) -> str:
+        started = time.monotonic()
+        try:
+            url = parse_url(delivery.url)
+        except UrlRefused:  # a URL from before the strict parse (or a tenant's default)
+            return self._record(delivery, Answer(Outcome.REFUSED_BY_POLICY), started)
+        token = new_token("webhook")
+        try:
+            slotted = self.slots.take(delivery.tenant_id, url.host, token)
+        except redis.RedisError:
+            slotted = False
+        if not slotted:
+            return self._defer(delivery)
+        try:
+            answer = self._send(delivery, url, started + self.settings.webhook_timeout_s)
+        except Exception:  # a bug: recorded as a failed attempt, never left to loop
+            log.exception("webhook %s: the attempt raised", delivery.id)
+            answer = Answer(Outcome.ERROR)
+        finally:
+            with contextlib.suppress(redis.RedisError):  # it lapses with the lease
+                self.slots.release(delivery.tenant_id, url.host, token)
+        return self._record(delivery, answer, started)
+
+    def _send(self, delivery: DeliveryRecord, url: CallbackUrl, deadline: float) -> Answer:
+        job = self.store.get_job(delivery.job_id)
+        if job is None:
+            return Answer(Outcome.JOB_GONE)
+        secrets_ = self._secrets(delivery.tenant_id)
+        if not secrets_:
+            return Answer(Outcome.NO_SIGNING_SECRET)
+        proxy = self.settings.webhook_proxy_url
+        addresses = None  # through a proxy: the proxy resolves, and decides
+        try:
+            if proxy:
+                check_parsed(url, self.settings)
+            else:
+                addresses = vet(url, self.settings, deadline, self.resolve)
+        except UrlRefused:
+            return Answer(Outcome.REFUSED_BY_POLICY)
+        except ResolveFailed as exc:
+            return Answer(Outcome.TIMEOUT if exc.timed_out else Outcome.CONNECT_FAILED)
         body = body_of(job)
-        resp = httpx.post(delivery.url, content=body.encode(), timeout=settings.webhook_timeout_s,
-                          headers=signed_headers(delivery.id, body, secrets_),
-                          follow_redirects=False)
-        status, error = resp.status_code, None if resp.is_success else f"HTTP {resp.status_code}"
-    except (httpx.HTTPError, UrlRefused) as exc:
-        status, error = None, f"{type(exc).__name__}: {exc}"[:500]
-    return _record(hooks, delivery, status, error, (time.monotonic() - started) * 1000,
-                   settings)
+        return post(url, addresses, body.encode(), signed_headers(delivery.id, body, secrets_),
+                    deadline, proxy)
 
+    def _secrets(self, tenant_id: int) -> list[str]:
+        try:
+            return self.hooks.secrets_of(tenant_id)
+        except (sealing.InvalidToken, sealing.KeyMissing) as exc:
+            log.error("tenant %d's webhook secrets cannot be opened with this process's key "
+                      "(%s): %s", tenant_id, type(exc).__name__, sealing.KEY_HELP)
+            return []
 
-def _record(hooks: Webhooks, delivery: DeliveryRecord, status: int | None, error: str | None,
-            duration_ms: float, settings: Settings) -> str:
-    due = datetime.now(UTC) + timedelta(seconds=backoff_s(delivery.attempts + 1,
-                                                          settings.webhook_backoff_s))
-    give_up = delivery.created_at + timedelta(seconds=settings.webhook_give_up_s)
-    after = hooks.record_attempt(delivery.id, status, error, duration_ms,
-                                 due if due < give_up else None)
-    outcome = after.status if after is not None else "already settled"
-    log.info("webhook %s of job %s: attempt %d, %s, %s", delivery.id, delivery.job_id,
-             delivery.attempts + 1, status or error, outcome,
-             extra={"job_id": delivery.job_id})
-    return outcome
+    def _defer(self, delivery: DeliveryRecord) -> str:
+        wait_s = max(1.0, self.settings.webhook_dispatch_s) * random.uniform(1.0, 2.0)
+        self.hooks.defer(delivery.id, datetime.now(UTC) + timedelta(seconds=wait_s))
+        return "deferred"
+
+    def _record(self, delivery: DeliveryRecord, answer: Answer, started: float) -> str:
+        settings = self.settings
+        due = datetime.now(UTC) + timedelta(seconds=backoff_s(delivery.attempts + 1,
+                                                              settings.webhook_backoff_s))
+        give_up = delivery.created_at + timedelta(seconds=settings.webhook_give_up_s)
+        after = self.hooks.record_attempt(delivery.id, answer.status_code, answer.outcome,
+                                          (time.monotonic() - started) * 1000,
+                                          due if due < give_up else None)
+        outcome = after.status if after is not None else "already settled"
+        log.info("webhook %s of job %s: attempt %d, %s, %s", delivery.id, delivery.job_id,
+                 delivery.attempts + 1, answer.outcome.value, outcome,
+                 extra={"job_id": delivery.job_id})
+        return outcome
 
 
 # -- the process -----------------------------------------------------------------------
 
 
-def make_webhook_app(settings: Settings, store: Store) -> Celery:
+def make_webhook_app(settings: Settings, sender: Sender) -> Celery:
     app = make_app(settings)
     app.conf.task_queues = [Queue(webhook_queue(settings))]
     app.conf.task_default_queue = webhook_queue(settings)
 
     @app.task(name=DELIVER, ignore_result=True, acks_late=False)
     def _deliver(delivery_id: str) -> str:
-        return attempt(delivery_id, store, settings)
+        return sender.attempt(delivery_id)
 
     return app
 
 
-def dispatch(app: Celery, client: Any, store: Store, settings: Settings) -> int:
+def dispatch(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> int:
     """Send the due deliveries to the webhook queue, if this process holds the period."""
     period = int(time.time() // settings.webhook_dispatch_s)
     lock = keys.scheduler_lock(settings.namespace, "webhooks", period)
-    if not client.set(lock, "1", nx=True, px=int(settings.webhook_dispatch_s * 2000)):
+    if not take_period(client, lock, settings.webhook_dispatch_s):
         return 0
-    lease = timedelta(seconds=settings.webhook_timeout_s * 3 + 30)
-    due = Webhooks(store).claim_due(lease, CLAIM_LIMIT)
+    due = Webhooks(store).claim_due(timedelta(seconds=lease_s(settings)), CLAIM_LIMIT,
+                                    timedelta(seconds=settings.webhook_give_up_s),
+                                    CLAIM_PER_TENANT)
     for delivery in due:
         app.send_task(DELIVER, args=[delivery.id], queue=webhook_queue(settings))
     return len(due)
@@ -220,8 +305,16 @@ def run_webhook_worker(loglevel: str = "INFO") -> None:
     """`tidegate webhooks`: the delivery tasks on threads, and the dispatcher."""
     settings = get_settings()
     setup_logging(settings, "webhooks")
-    store = Store(settings.db_url)
-    app = make_webhook_app(settings, store)
+    store = Store(settings.db_url, **settings.store_timeouts)
+    try:
+        sealer = sealing.sealer(settings)
+    except sealing.KeyMissing as exc:
+        raise SystemExit(f"tidegate webhooks: {exc}") from None
+    sealed = Webhooks(store, sealer).seal_plain()
+    if sealed:
+        log.info("sealed %d webhook secrets stored before sealing", sealed)
+    sender = Sender(store, redisconn.sync_client(settings.redis_url), settings, sealer)
+    app = make_webhook_app(settings, sender)
     threading.Thread(target=_dispatch_forever, args=(app, settings, store), daemon=True,
                      name="webhook-dispatch").start()
     run_celery(app, ["worker", "-P", "threads", "-c", str(settings.webhook_concurrency),

@@ -71,8 +71,9 @@ def reconciling_scheduler(stack: Stack, log_path: Any, **env: str) -> Iterator[P
         proc.stop()
 
 
-def make_tenant(store: Store, name: str, lanes: list[str]) -> tuple[int, str]:
-    tenant, key = store.create_tenant(name, lanes)
+def make_tenant(store: Store, name: str, lanes: list[str],
+                max_priority: int | None = None) -> tuple[int, str]:
+    tenant, key = store.create_tenant(name, lanes, max_priority=max_priority)
     return tenant.id, key
 
 
@@ -234,3 +235,21 @@ def in_process_api(redis_server: str, db_path: Any, redis_db: int, tenant: str,
             yield InProcessApi(http, store, client, settings, record.id, key)
     finally:
         client.flushdb()
+
+
+@contextlib.contextmanager
+def running_driver(settings: Any) -> Iterator[threading.Thread]:
+    """The batch driver (`tidegate batches`'s api.batch_driver.run_driver) in a thread of
+    the test process, for in-process API tests: the API no longer drives batches. Stopped
+    (its lock released) on the way out."""
+    from api.batch_driver import run_driver
+
+    stop = threading.Event()
+    thread = threading.Thread(target=run_driver, args=(settings, stop), name="batch-driver",
+                              daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join(timeout=30)

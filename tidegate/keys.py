@@ -29,6 +29,11 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:activation_s``          | list    | scheduler       | last 20 activation times          |
 | ``{ns}:reconcile:suspects``    | hash    | scheduler       | job -> when first seen orphaned;  |
 |                                |         |                 | ``RECONCILE_SUSPECTS_TTL_S``      |
+| ``{ns}:webhook:slots:{kind}:{n}``| zset  | webhook sender  | holders of a tenant's or a host's |
+|                                |         |                 | delivery slots, each expiring with|
+|                                |         |                 | the claim lease                   |
+| ``{ns}:webhook:sending:{id}``  | string  | webhook sender  | one attempt of a delivery in      |
+|                                |         |                 | flight; the claim lease           |
 
 Celery queues (kombu's lists on the broker's Redis; no namespace, the broker's DB keeps
 deployments apart):
@@ -219,8 +224,15 @@ def seq_of(entry_id: str | bytes) -> int:
 
 
 def batch_lock(ns: str, batch_id: str) -> str:
-    """Held by the API process advancing a batch (api/batches.py); lives BATCH_LOCK_S."""
+    """Held by the batch driver while it steps a batch (api/batch_driver.py); lives
+    BATCH_LOCK_S."""
     return f"{ns}:lock:batch:{batch_id}"
+
+
+def batch_driver_lock(ns: str) -> str:
+    """Held by the one `tidegate batches` process that drives the open batches; its TTL is
+    TIDEGATE_BATCH_DRIVER_LOCK_S, extended while it runs (tidegate/locks.py)."""
+    return f"{ns}:lock:batch-driver"
 
 
 BATCH_LOCK_S = 60  # longer than one pass over a batch; a dead holder's lock lapses
@@ -230,3 +242,16 @@ def auth_changed_channel(ns: str) -> str:
     """Pub/sub: a key or tenant was revoked or changed; every API process forgets the keys
     it had found valid (api/auth.py), so a revoked key is refused at once."""
     return f"{ns}:auth-changed"
+
+
+def webhook_slots(ns: str, kind: str, name: str) -> str:
+    """The deliveries in flight of one tenant (`tenant`, its id) or to one host (`host`),
+    across every webhook process: a sorted set of holders scored by when each slot lapses
+    (tasks/webhooks.py `Slots`)."""
+    return f"{ns}:webhook:slots:{kind}:{name}"
+
+
+def webhook_sending(ns: str, delivery_id: str) -> str:
+    """Held while one attempt of a delivery is in flight (tidegate/locks.py RedisLock): a
+    duplicate of its task does nothing meanwhile."""
+    return f"{ns}:webhook:sending:{delivery_id}"

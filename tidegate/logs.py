@@ -173,8 +173,20 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False, default=str)
 
 
+# What a request can carry into a line (a path decoded from %0a or %0d, a header): the C0
+# and C1 controls, DEL and Unicode's line and paragraph separators.
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with each control character written as its Python escape (\\n, \\x1b)."""
+    return CONTROL.sub(lambda found: found.group().encode("unicode_escape").decode(), text)
+
+
 class TextFormatter(logging.Formatter):
-    """For a person at a terminal: the context fields follow the message as key=value."""
+    """For a person at a terminal: the context fields follow the message as key=value.
+    One record is one line: control characters in the message or the fields are escaped,
+    so no request can forge a line. A traceback, which follows, keeps its own lines."""
 
     def __init__(self) -> None:
         super().__init__(TEXT_FORMAT)
@@ -185,6 +197,9 @@ class TextFormatter(logging.Formatter):
         pairs = [f"{f}={getattr(record, f)}" for f in FIELDS if getattr(record, f, None)]
         record.context = f" [{' '.join(pairs)}]" if pairs else ""
         return super().format(record)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return escape_controls(super().formatMessage(record))
 
 
 def wants_json(settings: Settings) -> bool:

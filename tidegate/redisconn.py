@@ -31,6 +31,19 @@ How a failover is survived:
 - Replication is asynchronous: writes acknowledged by the old master in its last
   milliseconds can be missing on the new one. The store is the truth; what Redis lost is
   rebuilt from it (the reconciler), never assumed.
+
+Every client is bounded in time: a connection not made within its connect timeout, or a
+reply not read within its socket timeout, fails with redis-py's TimeoutError or
+ConnectionError (a RedisError: the API answers 503, a worker retries), so a blackholed
+Redis (a host that accepts and never answers, a partition) costs a call its timeout, never
+a thread for good. `timeouts()` gives both; these clients and the Celery broker
+(`celery_broker`) take them by default. A blocking read (XREAD BLOCK, BRPOP, a pub/sub
+wait) needs a socket timeout longer than its block: the API's SSE client has its own
+(api/deps.py), kombu's BRPOP blocks 1 s, a worker's cancel listener polls every 1 s.
+On a Sentinel URL a failed command is retried (FAILOVER_RETRIES), each try bounded so: a
+blackholed master or sentinel fails a command after its 16 tries' timeouts plus the
+backoff's 12.5 s (about 90 s at the default socket timeout), the price of riding out a
+failover; a plain URL fails it after one timeout.
 """
 
 from __future__ import annotations
@@ -45,7 +58,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
@@ -62,6 +75,17 @@ QUERY_KEYS = ("master", "sentinel_password")
 # clients retry nothing by default; plain URLs keep that.
 FAILOVER_BACKOFF = ExponentialBackoff(cap=1.0, base=0.05)
 FAILOVER_RETRIES = 15
+# Defaults of TIDEGATE_REDIS_CONNECT_TIMEOUT_S and TIDEGATE_REDIS_SOCKET_TIMEOUT_S (and of
+# any client made without settings). A reply on a LAN takes well under a millisecond; a
+# Redis busy with a slow command or a fork for its snapshot, a few hundred.
+CONNECT_TIMEOUT_S = 2.0
+SOCKET_TIMEOUT_S = 5.0
+
+
+def timeouts(connect_s: float = CONNECT_TIMEOUT_S,
+             socket_s: float = SOCKET_TIMEOUT_S) -> dict[str, float]:
+    """redis-py's connection options for a connect and a reply timeout."""
+    return {"socket_connect_timeout": connect_s, "socket_timeout": socket_s}
 
 
 @dataclass(frozen=True)
@@ -146,10 +170,15 @@ def _db(path: str) -> int:
     return int(path)
 
 
-def _sentinel_kwargs(target: SentinelTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
+def _sentinel_kwargs(target: SentinelTarget, kwargs: dict[str, Any],
+                     retry: Retry | AsyncRetry) -> dict[str, Any]:
     """How to talk to the sentinels themselves: the client's socket options (as redis-py
-    does when not told otherwise) and their own password."""
-    out = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    does when not told otherwise), their own password, and `retry`: none. A master lookup
+    is already retried by the command's failover retry; redis-py's default for a client
+    (3 retries, backoff up to 10 s) inside each of those made a blackholed sentinel cost
+    minutes, not FAILOVER_RETRIES times its timeout."""
+    out: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
+    out["retry"] = retry
     if target.sentinel_password:
         out["password"] = target.sentinel_password
     return out
@@ -190,13 +219,16 @@ class _AsyncFailoverConnection(AsyncSentinelConnection):
 
 
 def sync_client(url: str, **kwargs: Any) -> redis.Redis:
-    """A client of the master. kwargs: redis-py's connection options."""
+    """A client of the master. kwargs: redis-py's connection options; the timeouts default
+    to `timeouts()`."""
+    kwargs = {**timeouts(), **kwargs}
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **kwargs)
     target = parse_sentinel(url)
     kwargs.setdefault("retry", Retry(FAILOVER_BACKOFF, FAILOVER_RETRIES))
     sentinel = Sentinel(list(target.sentinels),
-                        sentinel_kwargs=_sentinel_kwargs(target, kwargs), **kwargs)
+                        sentinel_kwargs=_sentinel_kwargs(target, kwargs, Retry(NoBackoff(), 0)),
+                        **kwargs)
     return sentinel.master_for(target.master, connection_class=_FailoverConnection,
                                **_master_kwargs(target))
 
@@ -210,7 +242,9 @@ def async_client(url: str, *, max_connections: int | None = None,
                  pool_timeout_s: float | None = None, **kwargs: Any) -> aioredis.Redis:
     """An asyncio client of the master, on a pool of at most `max_connections` (None: no
     bound). With `pool_timeout_s`, a command waits that long for a free connection, then
-    fails with ConnectionError; without, a full pool fails at once."""
+    fails with ConnectionError; without, a full pool fails at once. The timeouts default
+    to `timeouts()`."""
+    kwargs = {**timeouts(), **kwargs}
     blocking = pool_timeout_s is not None
     pool_kwargs: dict[str, Any] = {"max_connections": max_connections}
     if blocking:
@@ -223,7 +257,9 @@ def async_client(url: str, *, max_connections: int | None = None,
     target = parse_sentinel(url)
     kwargs.setdefault("retry", AsyncRetry(FAILOVER_BACKOFF, FAILOVER_RETRIES))
     sentinel = AsyncSentinel(list(target.sentinels),
-                             sentinel_kwargs=_sentinel_kwargs(target, kwargs), **kwargs)
+                             sentinel_kwargs=_sentinel_kwargs(target, kwargs,
+                                                              AsyncRetry(NoBackoff(), 0)),
+                             **kwargs)
     pool_class = _BlockingSentinelPool if blocking else AsyncSentinelPool
     return sentinel.master_for(target.master, redis_class=aioredis.Redis,
                                connection_pool_class=pool_class,
@@ -231,21 +267,27 @@ def async_client(url: str, *, max_connections: int | None = None,
                                **_master_kwargs(target), **pool_kwargs)
 
 
-def celery_broker(url: str) -> tuple[str, dict[str, Any]]:
+def celery_broker(url: str, bounds: dict[str, float] | None = None
+                  ) -> tuple[str, dict[str, Any]]:
     """The broker URL Celery (kombu) reads, and the transport options it needs on top of
-    the app's own: for Sentinel, kombu's `sentinel://h:p/db;sentinel://...` form and the
-    master's name."""
+    the app's own: the timeouts (`bounds`, redis-py's options as `timeouts()` gives them;
+    default `timeouts()`), which kombu hands to every connection it makes, and for
+    Sentinel, kombu's `sentinel://h:p/db;sentinel://...` form and the master's name."""
+    bounds = timeouts() if bounds is None else bounds
     if not is_sentinel(url):
-        return url, {}
+        return url, dict(bounds)
     target = parse_sentinel(url)
     auth = ""
     if target.username or target.password:
         auth = f"{quote(target.username or '', safe='')}:{quote(target.password or '', safe='')}@"
     broker = ";".join(f"sentinel://{auth}{_netloc(host, port)}/{target.db}"
                       for host, port in target.sentinels)
-    options: dict[str, Any] = {"master_name": target.master}
+    # kombu passes `sentinel_kwargs` as they are to the sentinels' clients (redis-py
+    # copies the socket options into them only when none are given).
+    options: dict[str, Any] = {"master_name": target.master, **bounds,
+                               "sentinel_kwargs": dict(bounds)}
     if target.sentinel_password:
-        options["sentinel_kwargs"] = {"password": target.sentinel_password}
+        options["sentinel_kwargs"]["password"] = target.sentinel_password
     return broker, options
 
 

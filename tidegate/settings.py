@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -33,6 +33,15 @@ class Settings(BaseSettings):
     # Broker, token streams, heartbeats: one server, or sentinel://... (tidegate/redisconn.py)
     redis_url: str = "redis://127.0.0.1:6379/0"
     database_url: str = ""  # empty: a SQLite file in data_dir
+    # Every call to Redis or PostgreSQL is bounded (the invariant): past a bound it fails,
+    # and the API answers 503 with Retry-After, a worker retries. Redis (tidegate/
+    # redisconn.py): connecting, and each reply. PostgreSQL (store/engine.py): connecting,
+    # in whole seconds (libpq's least is 2), and each statement, which the server cancels
+    # (0: no bound); the defaults are store/engine.py's.
+    redis_connect_timeout_s: float = Field(redisconn.CONNECT_TIMEOUT_S, gt=0)
+    redis_socket_timeout_s: float = Field(redisconn.SOCKET_TIMEOUT_S, gt=0)
+    database_connect_timeout_s: int = Field(5, ge=2)
+    database_statement_timeout_s: float = Field(30.0, ge=0)
     model: str = ""  # path of a HF checkpoint; empty: the local test checkpoint
     lanes_file: Path = DEFAULT_LANES_FILE
     # Pub/sub channels ignore the Redis DB number: every key and channel gets this prefix.
@@ -41,6 +50,10 @@ class Settings(BaseSettings):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
     max_body_bytes: int = Field(256 * 1024, gt=0)  # request bodies above this get 413
+    # 401s one client address may get per window in one API process (api/auth.py
+    # FailedAuth); past them its unknown keys get 429 without a store lookup.
+    auth_failures: int = Field(100, gt=0)
+    auth_failure_window_s: int = Field(60, gt=0)
 
     # Load bounds (api/limits.py): over one, a 429 or 503 with Retry-After, never a wait.
     # Non-terminal jobs (queued or running) one tenant may have; the store counts them.
@@ -65,16 +78,41 @@ class Settings(BaseSettings):
 
     # The Batch API (api/batches.py): an input file's size and lines at most, the jobs one
     # batch keeps queued or running at once (its lines wait in the store, not in Redis),
-    # and how often the API's batch driver advances the open batches.
+    # and how often the batch driver (`tidegate batches`) advances the open batches.
     batch_max_file_bytes: int = Field(50 * 1024 * 1024, gt=0)
     batch_max_lines: int = Field(10_000, gt=0)
     batch_in_flight: int = Field(64, gt=0)
     batch_poll_s: float = Field(1.0, gt=0)
+    # The driver's lock: a holder that dies is replaced this long after its last extend.
+    batch_driver_lock_s: float = Field(30.0, gt=0)
+    # A batch whose step raises this many times in a row ends `failed` (the others go on).
+    batch_step_failures: int = Field(5, gt=0)
+    # The input files the driver keeps read (by batch, least recently used goes first).
+    batch_cache_files: int = Field(4, gt=0)
+    # A batch input file's line at most (bytes); a longer one is refused at upload, naming
+    # its line. 0: TIDEGATE_MAX_BODY_BYTES, the limit of the same request sent alone.
+    batch_max_line_bytes: int = Field(0, ge=0)
 
-    # Webhooks (tasks/webhooks.py, `tidegate webhooks`): the URL policy, each POST's
-    # timeout, the first retry's delay (doubling, capped at an hour, with jitter), when a
-    # delivery gives up, the delivery threads, the dispatcher's period, and how long a
-    # rotated signing secret keeps signing beside the new one.
+    # Per-tenant quotas (api/files.py): files stored (uploads and batch outputs), their
+    # bytes, and batches not ended. Over one: 429 `quota_exceeded`, naming it.
+    tenant_max_files: int = Field(500, gt=0)
+    tenant_max_file_bytes: int = Field(1024**3, gt=0)
+    tenant_max_open_batches: int = Field(20, gt=0)
+
+    # Retention (scheduler/retention.py; README, "What is kept, and for how long"), in
+    # days, purged by the scheduler every `retention_purge_s`: a job's output text (the row
+    # and its usage stay), an uploaded file (kept while an open batch reads it), and a
+    # batch's output and error files when the batch gave no `output_expires_after`.
+    job_text_retention_days: float = Field(30.0, ge=0)
+    file_retention_days: float = Field(30.0, ge=0)
+    batch_output_retention_days: float = Field(30.0, ge=0)
+    retention_purge_s: float = Field(3600.0, gt=0)
+
+    # Webhooks (tasks/webhooks.py, `tidegate webhooks`): the URL policy, each attempt's
+    # total deadline (DNS, connect, TLS, send and read together), the first retry's delay
+    # (doubling, capped at an hour, with jitter), when a delivery gives up, the delivery
+    # threads, the dispatcher's period, and how long a rotated signing secret keeps
+    # signing beside the new one.
     webhook_allow_private: bool = False
     webhook_allow_hosts: str = ""  # comma-separated hosts allowed even on private addresses
     webhook_deny_hosts: str = ""  # comma-separated hosts never called
@@ -84,6 +122,18 @@ class Settings(BaseSettings):
     webhook_concurrency: int = Field(16, gt=0)
     webhook_dispatch_s: float = Field(1.0, gt=0)
     webhook_secret_overlap_s: float = Field(86400.0, ge=0)
+    # Webhooks, hardened (README, "Webhooks"): deliveries in flight at once per tenant and
+    # per host across every webhook process (over a cap a delivery waits, it does not
+    # fail); a proxy every delivery goes through (empty: none; the proxy then decides
+    # where a delivery may go); the key(s) sealing signing secrets at rest (Fernet keys,
+    # comma-separated, the first seals; empty: a development key file in data_dir,
+    # tidegate/sealing.py); live signing secrets a tenant may hold (rotation ends the
+    # oldest beyond it).
+    webhook_tenant_concurrency: int = Field(8, gt=0)
+    webhook_host_concurrency: int = Field(8, gt=0)
+    webhook_proxy_url: str = ""
+    webhook_secret_key: str = Field("", repr=False)
+    webhook_max_secrets: int = Field(3, gt=0)
 
     stream_maxlen: int = Field(10_000, gt=0)  # events kept per job stream (approximate trim)
     stream_ttl_s: int = Field(3600, gt=0)  # job stream lifetime after its terminal event
@@ -165,6 +215,26 @@ class Settings(BaseSettings):
     def _redis_url(cls, v: str) -> str:
         return redisconn.validate(v)  # one server, or Sentinel (tidegate/redisconn.py)
 
+    @field_validator("webhook_proxy_url")
+    @classmethod
+    def _proxy_url(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// proxy URL")
+        return v
+
+    @field_validator("webhook_secret_key")
+    @classmethod
+    def _fernet_keys(cls, v: str) -> str:
+        from cryptography.fernet import Fernet
+
+        for key in filter(None, (k.strip() for k in v.split(","))):
+            try:
+                Fernet(key)
+            except ValueError:
+                raise ValueError("each key must be a Fernet key (32 url-safe base64-encoded "
+                                 "bytes: Fernet.generate_key())") from None
+        return v
+
     @field_validator("database_url")
     @classmethod
     def _db_scheme(cls, v: str) -> str:
@@ -200,6 +270,17 @@ class Settings(BaseSettings):
     def lora(self) -> tuple[tuple[str, str], ...]:
         pairs = (p.strip().partition("=") for p in self.lora_adapters.split(",") if p.strip())
         return tuple((name.strip(), path.strip()) for name, _, path in pairs)
+
+    @property
+    def redis_timeouts(self) -> dict[str, float]:
+        """redis-py's timeout options: `redisconn.sync_client(url, **redis_timeouts)`."""
+        return redisconn.timeouts(self.redis_connect_timeout_s, self.redis_socket_timeout_s)
+
+    @property
+    def store_timeouts(self) -> dict[str, Any]:
+        """The Store's timeouts: `Store(settings.db_url, **settings.store_timeouts)`."""
+        return {"connect_timeout_s": self.database_connect_timeout_s,
+                "statement_timeout_s": self.database_statement_timeout_s}
 
     @property
     def db_url(self) -> str:

@@ -42,7 +42,8 @@ def _tenant(args: argparse.Namespace) -> None:
         if unknown:
             sys.exit(f"tidegate tenant create: unknown lane(s) {', '.join(unknown)}")
         tenant, key = store.create_tenant(args.name, lanes, requests_per_minute=args.rpm,
-                                          tokens_per_minute=args.tpm)
+                                          tokens_per_minute=args.tpm,
+                                          max_priority=args.max_priority)
         print(f"tenant {tenant.name} created; lanes: {','.join(tenant.lanes)}; limits: "
               f"{args.rpm or 'no'} requests/min, {args.tpm or 'no'} tokens/min")
         print(f"API key (shown once): {key}")
@@ -205,6 +206,25 @@ def _scheduler(args: argparse.Namespace) -> None:
     run_scheduler(_log_level(args))
 
 
+def _batches(args: argparse.Namespace) -> None:
+    """The batch driver (api/batch_driver.py): one process of a fleet drives, under a lock;
+    another waits and takes over when it dies. SIGTERM or SIGINT: it releases the lock
+    and exits."""
+    import signal
+    import threading
+
+    from api.batch_driver import run_driver
+    from tidegate.logs import setup_logging
+
+    settings = get_settings()
+    _log_level(args)
+    setup_logging(settings, "batches")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    run_driver(settings, stop)
+
+
 def _webhooks(args: argparse.Namespace) -> None:
     from tasks.webhooks import run_webhook_worker
 
@@ -221,6 +241,25 @@ def _log_level(args: argparse.Namespace) -> str:
     if args.loglevel:
         settings.log_level = args.loglevel.upper()
     return settings.log_level
+
+
+def _tenant_max_priority(args: argparse.Namespace) -> None:
+    from store import Store
+    from store.tenants import Tenants
+
+    settings = get_settings()
+    tenants = Tenants(Store(settings.db_url, **settings.store_timeouts))
+    if tenants.update(args.name, max_priority=args.priority) is None:
+        raise SystemExit(f"tidegate tenant max-priority: no tenant {args.name!r}")
+    _announce()  # API processes forget the tenant as they knew it
+    shown = "each lane's default" if args.priority is None else str(args.priority)
+    print(f"tenant {args.name}: highest priority {shown}")
+
+
+def _priority(raw: str) -> int:
+    if not (raw.isdigit() and 0 <= int(raw) <= 9):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a priority 0-9")
+    return int(raw)
 
 
 def _tenant_webhook(args: argparse.Namespace) -> None:
@@ -325,6 +364,10 @@ def _parser() -> argparse.ArgumentParser:
     sched = sub.add_parser("scheduler", help="run the scheduler (Celery beat and its tasks)")
     sched.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
     sched.set_defaults(func=_scheduler)
+    batch = sub.add_parser("batches", help="run the Batch API's driver (one drives at a time; "
+                           "another waits to take over)")
+    batch.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
+    batch.set_defaults(func=_batches)
     hooks = sub.add_parser("webhooks", help="run a webhook delivery process (and dispatcher)")
     hooks.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
     hooks.set_defaults(func=_webhooks)
@@ -339,11 +382,19 @@ def _tenant_parser(sub: Any) -> None:
     c.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
     c.add_argument("--tpm", type=_positive, default=None,
                    help="tokens per minute (prompt plus max_tokens)")
+    c.add_argument("--max-priority", type=_priority, default=None,
+                   help="the highest priority its jobs may ask, 0-9 (9 most urgent; "
+                   "default: each lane's default priority)")
     t.add_parser("list", help="list tenants")
     r = t.add_parser("revoke", help="revoke a tenant's key")
     r.add_argument("name")
     for name in ("create", "list", "revoke"):
         t.choices[name].set_defaults(func=_tenant)
+    m = t.add_parser("max-priority", help="set (or, with none, clear: each lane's default) "
+                     "the highest priority a tenant's jobs may ask")
+    m.add_argument("name")
+    m.add_argument("priority", nargs="?", type=_priority, default=None)
+    m.set_defaults(func=_tenant_max_priority)
     w = t.add_parser("webhook", help="set (or, with no URL, clear) a tenant's default "
                      "callback_url")
     w.add_argument("name")

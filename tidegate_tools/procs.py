@@ -181,3 +181,8 @@ def start_scheduler(env: dict[str, str], log_dir: Path, name: str = "scheduler")
                 {**env, "TIDEGATE_SCHEDULER_METRICS_PORT": str(port)})
     proc.metrics_port = port
     return proc
+
+
+def start_batches(env: dict[str, str], log_dir: Path, name: str = "batches") -> Proc:
+    """`tidegate batches`: the Batch API's driver (api/batch_driver.py)."""
+    return Proc(name, tidegate_argv("batches"), log_dir / f"{name}.log", env)

@@ -1,7 +1,7 @@
 """The one stack launcher: `make demo`, the stack tests and the benchmarks start tidegate's
-processes (an optional private Redis, one worker per entry, the API) with it, wait for
-them with its one readiness poll, and have them all stopped on the way out, also when a
-start fails."""
+processes (an optional private Redis, one worker per entry, the API and the batch driver)
+with it, wait for them with its one readiness poll, and have them all stopped on the way
+out, also when a start fails."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from pathlib import Path
 import httpx
 
 from api.fleet import active_workers
-from tidegate_tools.procs import Proc, free_port, start_api, start_redis, start_worker, wait_until
+from tidegate_tools.procs import (
+    Proc,
+    free_port,
+    start_api,
+    start_batches,
+    start_redis,
+    start_worker,
+    wait_until,
+)
 
 START_TIMEOUT_S = 240.0  # vLLM engines loading at once on two cores
 
@@ -32,7 +40,8 @@ class WorkerSpec:
 class RunningStack:
     base_url: str  # the API
     workers: list[str]  # worker names
-    procs: list[Proc] = field(default_factory=list)  # in start order: Redis, workers, API
+    # In start order: Redis, workers, the API, the batch driver (`tidegate batches`).
+    procs: list[Proc] = field(default_factory=list)
     redis_url: str | None = None  # the private Redis, when the launcher started one
 
 
@@ -76,6 +85,7 @@ def running_stack(env: Mapping[str, str], workers: Sequence[WorkerSpec], logs: P
         port = api_port or free_port()
         stack.procs.append(start_api(env, port, logs))
         stack.base_url = f"http://127.0.0.1:{port}"
+        stack.procs.append(start_batches(env, logs))
         _wait_ready(stack, timeout_s, waiting)
         yield stack
     finally:

@@ -13,16 +13,13 @@ job's stream: it gets LeaseLost and stops.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
 import redis
 
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
+from tidegate.locks import RELEASE, RedisLock, new_token
+
 # Extends the lease if it is this attempt's, or takes it back if it lapsed and no other
 # attempt took it: a worker that stalled past its lease (seconds, on a starved host) goes
 # on; only a real takeover stops it.
@@ -42,13 +39,20 @@ class LeaseLost(Exception):
 class Lease:
     def __init__(self, client: redis.Redis, key: str, worker: str, ttl_s: int) -> None:
         self.r, self.key, self.ttl_s = client, key, ttl_s
-        self.owner = f"{worker}/{uuid.uuid4().hex[:12]}"
+        # Taken and released as the one lock idiom (tidegate/locks.py); renewed by RENEW,
+        # which also takes back a lease that lapsed with no other holder.
+        self._lock = RedisLock(client, key, ttl_s, token=new_token(worker))
+        self.owner = self._lock.token
         self._release: Any = client.register_script(RELEASE)
         self._renew: Any = client.register_script(RENEW)
         self.released = False  # by this attempt, which is over
 
     def take(self) -> bool:
-        return bool(self.r.set(self.key, self.owner, nx=True, ex=self.ttl_s))
+        return self._lock.acquire()
+
+    def take_in(self, pipe: Any) -> None:
+        """take() queued on a pipeline (the caller reads the reply)."""
+        self._lock.acquire_in(pipe)
 
     def take_when_free(self, give_up: Callable[[], bool]) -> bool:
         """Takes the lease once the attempt holding it ends or dies (its lease expires);

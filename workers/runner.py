@@ -143,7 +143,7 @@ def _take_reading(ctx: WorkerContext, job_id: str, lease: Lease) -> _Opening | N
     """The lease taken and, in the same round trip, the job's stream and cancel key read
     (two round trips fewer a job); None when another attempt holds the lease."""
     pipe = ctx.redis.pipeline(transaction=False)
-    pipe.set(lease.key, lease.owner, nx=True, ex=lease.ttl_s)
+    lease.take_in(pipe)
     pipe.xrange(keys.job_events(ctx.namespace, job_id))
     pipe.exists(keys.job_cancel(ctx.namespace, job_id))
     taken, entries, cancelled = pipe.execute()
@@ -212,7 +212,7 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
             ctx.metrics.poisoned(payload.lane)
         return "poison"
     if payload.session_id:  # this worker's KV cache now holds the session's prefix
-        ctx.retry(ctx.store.set_session_worker, payload.session_id, ctx.name)
+        ctx.retry(ctx.store.set_session_worker, payload.session_id, job.tenant_id, ctx.name)
     if progress.seq == 0:
         _emit(ctx, payload.job_id, progress, "started",
               data={"worker": ctx.name, "engine": ctx.host.engine.kind, "attempt": job.attempts})
@@ -359,7 +359,7 @@ def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState
     return EngineRequest(
         request_id=payload.job_id, prompt=payload.prompt, max_tokens=remaining,
         temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=s.stop,
-        resume_token_ids=state.token_ids, session_id=payload.session_id, turn=payload.turn,
+        resume_token_ids=state.token_ids, session_id=payload.session_key, turn=payload.turn,
         lane=payload.lane, lora=payload.lora, shared_prefix_tokens=payload.shared_prefix_tokens,
         cache_salt=payload.cache_salt,
     )

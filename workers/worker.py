@@ -33,7 +33,7 @@ import redis
 
 from store import Store
 from tasks.recovery import restore_orphans
-from tidegate import gcfreeze, keys, redisconn
+from tidegate import gcfreeze, keys, locks, redisconn
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
 from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
@@ -79,7 +79,7 @@ class Worker:
         self.forced_alloc_latency_ms: float | None = None
         self.store_fault = StoreFault()  # fault injection: store statements that fail
         self.hold = TokenHold()  # fault injection: a job held mid-generation
-        self.redis = redisconn.sync_client(settings.redis_url)
+        self.redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
         self.ctx: WorkerContext | None = None  # set once the engine is loaded and warmed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # jobs in flight went down
@@ -99,7 +99,7 @@ class Worker:
         log.info("engine loaded and warmed in %.1f s", time.monotonic() - started)
         s = self.settings
         publisher = EventPublisher(self.redis, s.namespace, s.stream_maxlen, s.stream_ttl_s)
-        store = Store(s.db_url)
+        store = Store(s.db_url, **s.store_timeouts)
         self.store_fault.install(store)
         streamer = Streamer(self.redis, publisher)
         self.ctx = WorkerContext(name=self.name, namespace=s.namespace, store=store,
@@ -329,8 +329,8 @@ class Heartbeats(threading.Thread):
         if w.phase is Phase.FAILED:  # the sweep would hand its own jobs back to it
             return
         period = int(time.time() / s.heartbeat_s)
-        if w.redis.set(keys.scheduler_lock(s.namespace, "recover", period), w.name, nx=True,
-                       ex=ttl):
+        if locks.take_period(w.redis, keys.scheduler_lock(s.namespace, "recover", period),
+                             s.heartbeat_s, ttl_s=ttl, owner=w.name):
             try:
                 self.recover()
             except Exception:  # a failed sweep must not stop the heartbeat; the next retries

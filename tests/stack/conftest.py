@@ -58,7 +58,9 @@ def stack(redis_server: str, migrated_db: str, model_path: Path, tmp_root: Path,
           traces: OtlpReceiver) -> Iterator[Stack]:
     workers = {lane: f"{lane}-test@tidegate" for lane in ("finance", "chat")}
     store = Store(migrated_db)
-    tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat", "support"])
+    # Granted every priority: the router's cases ask more than a lane's default.
+    tenant_id, key = make_tenant(store, "stack-tenant", ["finance", "chat", "support"],
+                                 max_priority=9)
     specs = [WorkerSpec(lane, name, cpus=str(core % 2))
              for core, (lane, name) in enumerate(workers.items())]
     # Traced, spans exported every 200 ms: the stack's tests run with tracing on.

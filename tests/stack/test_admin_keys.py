@@ -83,10 +83,16 @@ def test_rotating_a_key_keeps_jobs_and_sessions_and_ends_the_old_key_at_once(
     new = rotated.json()["secret"]
     assert admin.submit(old["secret"]).status_code == 401  # found valid a moment ago
     assert admin.jobs(new) == [made.json()["job_id"]]
-    # The session stays the tenant's: the new key continues it (another tenant gets 403).
-    assert admin.submit(new, session_id="crm-rotate-1").status_code == 202
+    # The session stays the tenant's: the new key continues it (its second turn). Another
+    # tenant's "crm-rotate-1" is a session of its own (sessions are keyed by tenant).
+    store = admin.http.app.state.deps.store
+    continued = admin.submit(new, session_id="crm-rotate-1")
+    assert continued.status_code == 202
+    assert store.job_payload(continued.json()["job_id"])["turn"] == 2
     other = new_tenant(admin, "rotating-other")["key"]["secret"]
-    assert admin.submit(other, session_id="crm-rotate-1").status_code == 403
+    theirs = admin.submit(other, session_id="crm-rotate-1")
+    assert theirs.status_code == 202
+    assert store.job_payload(theirs.json()["job_id"])["turn"] == 1
 
 
 def test_a_rotation_with_an_overlap_keeps_both_keys_until_it_ends(admin: Admin) -> None:

@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from store import Store, upgrade
+from tests.helpers import running_driver
 from tests.stack.test_api_validation import advertise_worker, nothing_enqueued
 from tidegate import keys
 from tidegate.settings import Settings
@@ -177,7 +178,8 @@ def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Pat
                                 "body": {"model": "chat", "messages": USER, "max_tokens": 2}})
                     + "\n" for i in range(2)).encode()
     try:
-        with TestClient(create_app(settings)) as http:  # the first API process
+        # The first API process, and the batch driver (`tidegate batches`) beside it.
+        with TestClient(create_app(settings)) as http, running_driver(settings):
             sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http,
                                 max_retries=0)
             upload = sdk.files.create(file=("in.jsonl", io.BytesIO(lines)), purpose="batch")
@@ -191,7 +193,8 @@ def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Pat
             store.claim_job(job.id, "chat-batch@test", "vllm")
             store.finish_job(job.id, "done", finish_reason="length", output_text="on its way",
                              completion_tokens=2)
-        with TestClient(create_app(settings)) as http:  # a new API process
+        # A new API process and driver.
+        with TestClient(create_app(settings)) as http, running_driver(settings):
             sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http,
                                 max_retries=0)
             wait_until(lambda: sdk.batches.retrieve(batch.id).status == "completed", 20,

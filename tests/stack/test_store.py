@@ -25,7 +25,6 @@ from store import (
     Base,
     FirstToken,
     JobRecord,
-    SessionOwnerError,
     Store,
     TenantExistsError,
     alembic_config,
@@ -134,7 +133,7 @@ def test_upgrade_is_at_head_and_repeatable(db_url: str) -> None:
     head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
     engine = make_engine(db_url)
     with engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == head == "0011"
+        assert MigrationContext.configure(conn).get_current_revision() == head == "0014"
     engine.dispose()
 
 
@@ -512,18 +511,21 @@ def test_other_tenant_cannot_see_or_cancel(store: Store, tenant_id: int) -> None
 
 def test_session_turns(store: Store, tenant_id: int) -> None:
     assert [store.touch_session("s1", tenant_id, w) for w in ("w1", None, "w2")] == [1, 2, 3]
-    chat = store.get_session("s1")
+    chat = store.get_session("s1", tenant_id)
     assert chat is not None and (chat.turns, chat.last_worker) == (3, "w2")
     assert chat.last_seen.tzinfo is not None
     assert store.touch_session("s1", tenant_id, None) == 4
-    assert store.get_session("s1").last_worker == "w2"  # type: ignore[union-attr]
-    assert store.get_session("nope") is None
+    assert store.get_session("s1", tenant_id).last_worker == "w2"  # type: ignore[union-attr]
+    assert store.get_session("nope", tenant_id) is None
 
+    # Another tenant's session of the same id is another session (keyed by tenant and id).
     other = store.create_tenant("globex", ["chat"])[0].id
-    with pytest.raises(SessionOwnerError):
-        store.touch_session("s1", other, "w9")
-    assert store.get_session("s1", tenant_id=other) is None
-    assert store.get_session("s1").turns == 4  # type: ignore[union-attr]
+    assert store.get_session("s1", other) is None
+    assert store.touch_session("s1", other, "w9") == 1
+    store.set_session_worker("s1", other, "w8")
+    assert store.get_session("s1", other).last_worker == "w8"  # type: ignore[union-attr]
+    mine = store.get_session("s1", tenant_id)
+    assert mine is not None and (mine.turns, mine.last_worker) == (4, "w2")
 
 
 def test_a_job_and_its_session_turn_are_written_together(store: Store, tenant_id: int) -> None:
@@ -536,17 +538,15 @@ def test_a_job_and_its_session_turn_are_written_together(store: Store, tenant_id
     assert create(tenant_id)[1:] == (True, 2)
     again, created, turn = create(tenant_id, "k1")  # a key used meanwhile: no turn counted
     assert (again.id, created, turn) == (job.id, False, 0)
-    assert store.get_session("s1").turns == 2  # type: ignore[union-attr]
+    assert store.get_session("s1", tenant_id).turns == 2  # type: ignore[union-attr]
     assert store.create_job(str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {},
                             3)[1:] == (True, 0)
 
+    # Another tenant's "s1" is a session of its own: its first turn, ours unchanged.
     other = store.create_tenant("globex", ["chat"])[0].id
-    with pytest.raises(SessionOwnerError):
-        create(other, "theirs")
-    # The transaction rolled back: no job row, nothing deleted afterwards, turns unchanged.
-    assert store.jobs_of_tenant(other) == []
-    assert store.job_by_idempotency_key(other, "theirs") is None
-    assert store.count_jobs() == 3 and store.get_session("s1").turns == 2  # type: ignore[union-attr]
+    theirs, created, turn = create(other, "theirs")
+    assert created and turn == 1 and theirs.tenant_id == other
+    assert store.count_jobs() == 4 and store.get_session("s1", tenant_id).turns == 2  # type: ignore[union-attr]
 
 
 def test_concurrent_session_turns(store: Store, tenant_id: int) -> None:

@@ -49,17 +49,21 @@ def test_inside_a_lane_higher_priority_first_then_arrival() -> None:
 
 
 def test_a_resumed_stream_opens_before_every_lanes_submits() -> None:
-    """After an API restart its consumers resume (Last-Event-ID) beside the producers'
-    retried submits, in lanes the new process never saw: the resumes go first."""
+    """A consumer that resumes (Last-Event-ID) a job this process accepted for its tenant
+    goes before every lane's submits; a resume of a job it does not know (after an API
+    restart) goes with its tenant's most urgent lane (issue 28, finding 5)."""
     recent = RecentLanes(size=4)
-    recent.add("job-f", "finance")
+    recent.add("job-f", "finance", tenant_id=7)
     deps = SimpleNamespace(settings=SimpleNamespace(lanes=load_lanes()),
                            recent_lanes=recent)
-    resumed = stream_rank(deps, "job-unknown", after=41)  # type: ignore[arg-type]
-    assert stream_rank(deps, "job-f", after=-1) == FINANCE  # type: ignore[arg-type]
+    tenant = SimpleNamespace(id=7, lanes=frozenset({"finance", "chat"}))
+    resumed = stream_rank(deps, "job-f", 41, tenant)  # type: ignore[arg-type]
+    unknown = stream_rank(deps, "job-unknown", 41, tenant)  # type: ignore[arg-type]
+    assert stream_rank(deps, "job-f", -1, tenant) == FINANCE  # type: ignore[arg-type]
+    assert unknown == FINANCE
     order = asyncio.run(_order_served([("chat-1", CHAT), ("finance-1", FINANCE),
-                                       ("resume", resumed)]))
-    assert order == ["resume", "finance-1", "chat-1"]
+                                       ("resume", resumed), ("resume-unknown", unknown)]))
+    assert order == ["resume", "finance-1", "resume-unknown", "chat-1"]
 
 
 def test_an_error_in_a_submit_reaches_its_caller_and_the_thread_serves_on() -> None:

@@ -1,5 +1,6 @@
-"""The API's cache of valid keys: a key found valid skips the store for KEY_CACHE_S; an
-unknown key is looked up every time (a guesser never gets a cached answer)."""
+"""The API's caches of keys: a key found valid skips the store for KEY_CACHE_S; a key
+found unknown skips it for UNKNOWN_CACHE_S (a caller repeating a wrong key costs one
+lookup), then is looked up again."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ class CountingStore:
 
 def record(tenant_id: int) -> Any:
     return SimpleNamespace(id=tenant_id, name=f"t{tenant_id}", lanes=["chat"],
-                           requests_per_minute=None, tokens_per_minute=None, webhook_url=None)
+                           requests_per_minute=None, tokens_per_minute=None, webhook_url=None,
+                           max_priority=None)
 
 
 def test_a_valid_key_is_looked_up_once_within_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,10 +45,18 @@ def test_a_valid_key_is_looked_up_once_within_the_window(monkeypatch: pytest.Mon
     assert err.value.status == 401 and store.lookups == 2
 
 
-def test_an_unknown_key_is_looked_up_every_time() -> None:
+def test_an_unknown_key_is_looked_up_once_within_its_window(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     store = CountingStore({})
     key = secrets.token_urlsafe(32)
+    clock = [1000.0]
+    monkeypatch.setattr(auth.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(auth, "_unknown", auth._UnknownKeys())  # on the patched clock
     for _ in range(3):
         with pytest.raises(ApiError):
             auth.tenant_for_key(store, key)  # type: ignore[arg-type]
-    assert store.lookups == 3
+    assert store.lookups == 1
+    clock[0] += auth.UNKNOWN_CACHE_S + 0.1  # past the window: looked up again
+    with pytest.raises(ApiError):
+        auth.tenant_for_key(store, key)  # type: ignore[arg-type]
+    assert store.lookups == 2

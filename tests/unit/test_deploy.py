@@ -42,7 +42,7 @@ FIELDS = Settings.model_fields
 # Variables the deploy files may set that are not tidegate's: the images' own and the
 # libraries' (Postgres, Grafana, Python, pip, CUDA, OpenTelemetry, Hugging Face, vLLM).
 OTHER_VARS = re.compile(r"^(POSTGRES_\w+|GF_\w+|PYTHON\w+|PIP_\w+|CUDA_VISIBLE_DEVICES|"
-                        r"OTEL_\w+|HF_\w+|VLLM_\w+)$")
+                        r"OTEL_\w+|HF_\w+|VLLM_\w+|REDISCLI_AUTH)$")
 
 
 def k8s_docs() -> list[tuple[str, dict[str, Any]]]:
@@ -378,10 +378,13 @@ def test_compose_config_as_docker_compose_reads_it() -> None:
     assert tool is not None
     argv = [*tool, "-f", str(COMPOSE), "config", "-q"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    refused = subprocess.run(argv, env=env, capture_output=True, text=True)
+    # compose refuses the file without any of its passwords (tests/unit/test_deploy_defaults.py)
+    others = {name: "a-password" for name in ("POSTGRES_PASSWORD", "REDIS_PASSWORD",
+                                              "GRAFANA_ADMIN_PASSWORD")}
+    refused = subprocess.run(argv, env={**env, **others}, capture_output=True, text=True)
     assert refused.returncode != 0
     assert "TIDEGATE_FLOWER_PASSWORD" in refused.stderr
-    ok = subprocess.run(argv, env={**env, "TIDEGATE_FLOWER_PASSWORD": "a-password"},
+    ok = subprocess.run(argv, env={**env, **others, "TIDEGATE_FLOWER_PASSWORD": "a-password"},
                         capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
 

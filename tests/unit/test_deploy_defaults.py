@@ -1,12 +1,22 @@
 """Defaults that fit a deployment, the pure parts: CUDA graphs by lane, the one beat's
-settings (celery-redbeat on the deployment's Redis), and the fleet report behind /fleetz.
-The processes themselves are tests/stack/test_deploy_defaults.py."""
+settings (celery-redbeat on the deployment's Redis), the fleet report behind /fleetz, and
+the deploy files' defaults: no password has a default anywhere under deploy/, compose
+refuses to start without each one (as `docker-compose config` reads the file), publishes
+every port on 127.0.0.1 unless asked, and gives Redis a password that every client's URL
+carries. The processes themselves are tests/stack/test_deploy_defaults.py."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
+import yaml
 from redbeat import RedBeatScheduler
 
 from api.fleet import active_workers, fleet_report
@@ -14,6 +24,7 @@ from scheduler.beat import BEAT_LOCK_S, OneBeat, beat_config, redbeat_redis
 from tidegate.lanes import DEFAULT_LANES_FILE, LanesConfigError, load_lanes
 from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
+from tidegate_tools.cli import flower_auth_problem
 from workers.vllm_engine import enforce_eager
 
 
@@ -99,3 +110,170 @@ def test_a_worker_started_on_a_runs_on_lane_is_in_the_fleet(tmp_path: Path) -> N
     assert report["lanes"]["batch"]["active"] == {"vllm": ["b1", "c1"]}
     assert report["lanes"]["chat"]["active"] == {"vllm": ["c1"]}
     assert active_workers(report) == {"b1", "c1"}
+
+
+# ---- the deploy files: no default password, nothing published beyond this machine --------
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "compose.yml"
+# The compose file's passwords: each one refuses to start without it.
+PASSWORDS = {"POSTGRES_PASSWORD": "pg-Pw1", "REDIS_PASSWORD": "redis-Pw2",
+             "TIDEGATE_FLOWER_PASSWORD": "flower-Pw3", "GRAFANA_ADMIN_PASSWORD": "grafana-Pw4"}
+# What the examples (never applied as they are) put where a server's password goes.
+PLACEHOLDER = "CHANGE-ME"
+# Published ports and the variable that moves each off 127.0.0.1.
+PUBLISHED = {"api": ("TIDEGATE_BIND_ADDRESS", 8000), "flower": ("TIDEGATE_OPS_BIND_ADDRESS", 5555),
+             "prometheus": ("TIDEGATE_OPS_BIND_ADDRESS", 9090),
+             "grafana": ("TIDEGATE_OPS_BIND_ADDRESS", 3000)}
+PASSWORD_KEY = re.compile(r"^\s*(\w*PASSWORD\w*|REDISCLI_AUTH)\s*[:=]\s*(.*)$")
+URL_PASSWORD = re.compile(r"\b[a-z][a-z0-9+]*://[^:/@\s]*:(\$\{[^}]*\}|[^@\s]*)@")
+REQUIRED = re.compile(r"^\$\{\w+:\?[^}]*\}$")  # compose: `${NAME:?message}`, no default
+
+
+def deploy_text_files() -> list[Path]:
+    return [p for p in sorted(DEPLOY.rglob("*")) if p.is_file()
+            and p.suffix in (".yml", ".yaml", ".example", ".service", ".json", ".toml", "")]
+
+
+def credentials(path: Path) -> list[tuple[int, str]]:
+    """(line number, value) of every password a deploy file sets: a PASSWORD-named key's
+    value, and the password of a URL with credentials."""
+    found = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("#"):
+            continue
+        key = PASSWORD_KEY.search(line)
+        if key:
+            found.append((number, key.group(2).split(" #")[0].strip().strip("\"'")))
+        found += [(number, m.group(1)) for m in URL_PASSWORD.finditer(line)]
+    return found
+
+
+def test_no_password_has_a_default_anywhere_under_deploy() -> None:
+    """Compose asks for each one (`${NAME:?...}`); an example file holds the placeholder
+    where a server's password goes, and nothing where tidegate's own (Flower's) goes, which
+    Flower refuses."""
+    seen = 0
+    for path in deploy_text_files():
+        example = ".example" in path.name
+        for number, value in credentials(path):
+            seen += 1
+            where = f"{path.relative_to(ROOT)}:{number}: {value!r}"
+            if path == COMPOSE:
+                assert REQUIRED.match(value), f"{where} is not `${{NAME:?...}}`"
+            else:
+                assert example and value in ("", PLACEHOLDER), \
+                    f"{where}: a password outside an example, or a real-looking one"
+    assert seen >= 8
+    compose_text = COMPOSE.read_text()
+    assert not re.search(r"\$\{\w*PASSWORD\w*:?-", compose_text), "a password with a default"
+    for path in DEPLOY.rglob("*.example*"):
+        for name, value in example_values(path).items():
+            if name == "TIDEGATE_FLOWER_PASSWORD":
+                assert flower_auth_problem("admin", value) is not None, path
+
+
+def example_values(path: Path) -> dict[str, str]:
+    if path.suffix == ".yaml":
+        return {k: str(v) for doc in yaml.safe_load_all(path.read_text()) if doc
+                for k, v in (doc.get("stringData") or {}).items()}
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines()
+             if "=" in line and not line.startswith("#"))
+    return {k: v for k, v in pairs}
+
+
+def test_the_systemd_example_keeps_every_process_but_the_api_off_the_network() -> None:
+    """The API takes a key on every route; /metrics and Flower are for operators."""
+    values = example_values(DEPLOY / "systemd" / "tidegate.env.example")
+    hosts = {name: value for name, value in values.items() if name.endswith("_HOST")}
+    assert hosts.pop("TIDEGATE_API_HOST") == "0.0.0.0"
+    assert hosts and set(hosts.values()) == {"127.0.0.1"}, hosts
+    defaults = Settings.model_fields
+    assert defaults["metrics_host"].default == defaults["flower_host"].default == "127.0.0.1"
+
+
+def compose_tool() -> list[str] | None:
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    if shutil.which("docker") and subprocess.run(
+            ["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return None
+
+
+needs_compose = pytest.mark.skipif(
+    compose_tool() is None, reason="neither docker-compose nor the docker compose plugin "
+    "installed (`make ops-tools` installs Debian's docker-compose)")
+
+
+def compose_config(**env: str) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config` of deploy/compose.yml with `env` as the only variables (a
+    variable of this environment that the file reads would hide a missing one)."""
+    tool = compose_tool()
+    assert tool is not None
+    names = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text()))
+    base = {k: v for k, v in os.environ.items() if k not in names}
+    return subprocess.run([*tool, "-f", str(COMPOSE), "--profile", "monitoring", "config"],
+                          env={**base, **env}, capture_output=True, text=True, timeout=60)
+
+
+def resolved(**env: str) -> dict[str, Any]:
+    done = compose_config(**env)
+    assert done.returncode == 0, done.stderr
+    return yaml.safe_load(done.stdout)
+
+
+@needs_compose
+@pytest.mark.parametrize("missing", sorted(PASSWORDS))
+def test_compose_refuses_to_start_without_each_password(missing: str) -> None:
+    others = {k: v for k, v in PASSWORDS.items() if k != missing}
+    refused = compose_config(**others)
+    assert refused.returncode != 0
+    assert missing in refused.stderr, refused.stderr
+    assert compose_config(**PASSWORDS).returncode == 0
+
+
+def published(service: dict[str, Any]) -> list[tuple[str, int]]:
+    """(host address, published port) of a service, from either form compose prints
+    (docker-compose 1.x: "127.0.0.1:8000:8000/tcp"; compose v2: mappings)."""
+    out = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            out.append((port.get("host_ip", ""), int(port["published"])))
+        else:
+            parts = str(port).split("/")[0].rsplit(":", 2)
+            out.append((parts[0] if len(parts) == 3 else "", int(parts[-2])))
+    return out
+
+
+@needs_compose
+def test_compose_publishes_every_port_on_127_0_0_1_unless_asked() -> None:
+    services = resolved(**PASSWORDS)["services"]
+    ports = {name: published(s) for name, s in services.items() if published(s)}
+    assert ports == {name: [("127.0.0.1", port)] for name, (_, port) in PUBLISHED.items()}
+    asked = resolved(**PASSWORDS, TIDEGATE_BIND_ADDRESS="10.1.2.3",
+                     TIDEGATE_OPS_BIND_ADDRESS="10.4.5.6")["services"]
+    for name, (variable, port) in PUBLISHED.items():
+        address = "10.1.2.3" if variable == "TIDEGATE_BIND_ADDRESS" else "10.4.5.6"
+        assert published(asked[name]) == [(address, port)], name
+
+
+@needs_compose
+def test_compose_redis_takes_only_its_password_and_every_client_url_carries_it() -> None:
+    services = resolved(**PASSWORDS)["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert "--requirepass" in command, command
+    assert command[command.index("--requirepass") + 1] == PASSWORDS["REDIS_PASSWORD"]
+    assert redis["environment"]["REDISCLI_AUTH"] == PASSWORDS["REDIS_PASSWORD"]
+    assert not published(redis) and not published(services["postgres"])
+    clients = {name: s["environment"]["TIDEGATE_REDIS_URL"] for name, s in services.items()
+               if "TIDEGATE_REDIS_URL" in (s.get("environment") or {})}
+    assert {"api", "scheduler", "webhooks", "flower", "migrate"} <= set(clients)
+    for name, url in clients.items():
+        assert urlsplit(url).password == PASSWORDS["REDIS_PASSWORD"], name
+        database = services[name]["environment"]["TIDEGATE_DATABASE_URL"]
+        assert urlsplit(database).password == PASSWORDS["POSTGRES_PASSWORD"], name
+    grafana = services["grafana"]["environment"]
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == PASSWORDS["GRAFANA_ADMIN_PASSWORD"]

@@ -43,7 +43,7 @@ def test_malformed_url_is_refused_at_start_naming_the_fault(url: str, says: str)
 
 def test_plain_url_keeps_redis_py_from_url() -> None:
     url = "redis://127.0.0.1:6390/2"
-    assert redisconn.celery_broker(url) == (url, {})
+    assert redisconn.celery_broker(url) == (url, redisconn.timeouts())
     client = redisconn.sync_client(url)
     assert client.connection_pool.connection_kwargs["port"] == 6390
     bounded = redisconn.async_client(url, max_connections=7, pool_timeout_s=1.5)
@@ -55,7 +55,9 @@ def test_celery_broker_is_kombus_sentinel_form_with_the_master_name() -> None:
     broker, options = redisconn.celery_broker(
         URL.replace("?master=main", "?master=main&sentinel_password=p"))
     assert broker == "sentinel://:s3cret@10.0.0.1:26380/3;sentinel://:s3cret@10.0.0.2:26379/3"
-    assert options == {"master_name": "main", "sentinel_kwargs": {"password": "p"}}
+    bounds = redisconn.timeouts()
+    assert options == {"master_name": "main", **bounds,
+                       "sentinel_kwargs": {**bounds, "password": "p"}}
 
 
 def test_sentinel_clients_ask_the_sentinels_for_the_master() -> None:

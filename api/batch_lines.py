@@ -1,0 +1,159 @@
+"""A batch's input lines, parsed one at a time when the driver needs them, and the output
+and error files it writes at the end (api/batch_driver.py runs the batch).
+
+A line is parsed when a step submits it (and again, without keeping it, when the batch's
+files are written): the driver holds a few input files' raw lines, never every open
+batch's parsed requests. Nothing a line holds can raise out of here: a line that is not a
+request is a Line with its error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from api.errors import ApiError
+from api.openai_api import Answer, error_body, job_error
+from store import JobRecord
+from store.batches import BatchRecord
+from tidegate.records import JobStatus
+
+_NOT_JSON = object()
+
+
+@dataclass(frozen=True)
+class Line:
+    """One input line: its custom_id, its request's body, or why it is no request."""
+
+    custom_id: str | None
+    body: dict[str, Any] | None
+    error: str | None = None
+
+
+class BatchInput:
+    """A batch's input file as its raw request lines; `line(i)` parses line i.
+
+    A custom_id used by an earlier line makes a later line an error, so parsing line i
+    needs the custom_ids of the lines before it: they are read once, as far as asked, and
+    kept (ids only, not the requests)."""
+
+    def __init__(self, raw: list[str], endpoint: str) -> None:
+        self.raw, self.endpoint = raw, endpoint
+        self._first: dict[str, int] = {}  # custom_id -> the first line that used it
+        self._scanned = 0  # the lines before this one have their custom_id in _first
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def line(self, i: int) -> Line:
+        self._scan_to(i)
+        item = _item(self.raw[i])
+        if self._scanned == i:
+            self._note(_custom_id(item), i)
+        return _line(item, self.endpoint, self._first, i)
+
+    def _scan_to(self, i: int) -> None:
+        while self._scanned < i:
+            self._note(_custom_id(_item(self.raw[self._scanned])), self._scanned)
+
+    def _note(self, custom_id: str | None, i: int) -> None:
+        if custom_id is not None:
+            self._first.setdefault(custom_id, i)
+        self._scanned = i + 1
+
+
+def parse_lines(raw: list[str], endpoint: str) -> list[Line]:
+    """Every line parsed (what the driver does a line at a time)."""
+    source = BatchInput(raw, endpoint)
+    return [source.line(i) for i in range(len(source))]
+
+
+def _item(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
+        return _NOT_JSON
+
+
+def _custom_id(item: Any) -> str | None:
+    """The line's custom_id, when the line claims one (an object with a non-empty one)."""
+    if not isinstance(item, dict):
+        return None
+    custom_id = item.get("custom_id")
+    return custom_id if isinstance(custom_id, str) and custom_id else None
+
+
+def _line(item: Any, endpoint: str, first: dict[str, int], i: int) -> Line:
+    if item is _NOT_JSON:
+        return Line(None, None, "not valid JSON")
+    if not isinstance(item, dict):
+        return Line(None, None, "not a JSON object")
+    custom_id = _custom_id(item)
+    if custom_id is None:
+        return Line(None, None, "custom_id: a non-empty string is required")
+    if first.get(custom_id, i) < i:
+        return Line(custom_id, None, f"custom_id: {custom_id!r} is used by an earlier line")
+    if item.get("method") != "POST":
+        return Line(custom_id, None, "method: must be 'POST'")
+    if item.get("url") != endpoint:
+        return Line(custom_id, None, f"url: must be the batch's endpoint, {endpoint}")
+    body = item.get("body")
+    if not isinstance(body, dict):
+        return Line(custom_id, None, "body: a JSON object is required")
+    return Line(custom_id, body)
+
+
+def line_error(line_no: int, custom_id: str | None, exc: ApiError) -> dict[str, Any]:
+    """A refused line as the batch row keeps it (`line_errors`)."""
+    status, body = error_body(exc)
+    return {"line": line_no, "custom_id": custom_id, "status_code": status, "body": body}
+
+
+def build_files(b: BatchRecord, source: BatchInput,
+                jobs: dict[int, JobRecord]) -> tuple[str, str]:
+    """The output file (a line per request answered) and the error file (a line per
+    request refused or failed), in OpenAI's line format."""
+    output: list[dict[str, Any]] = []
+    errors: list[dict[str, Any]] = []
+    refused = {e["line"]: e for e in b.line_errors}
+    for i in range(b.submitted):
+        if i in refused:
+            e = refused[i]
+            errors.append({"id": f"batch_req_{b.id}_{i}", "custom_id": e.get("custom_id"),
+                           "response": {"status_code": e["status_code"], "request_id": None,
+                                        "body": e["body"]}, "error": None})
+            continue
+        job = jobs.get(i)
+        if job is None:
+            continue
+        entry = _job_line(b, source.line(i), job)
+        (output if job.status == JobStatus.DONE else errors).append(entry)
+    return _jsonl(output), _jsonl(errors)
+
+
+def _job_line(b: BatchRecord, line: Line, job: JobRecord) -> dict[str, Any]:
+    model = str((line.body or {}).get("model", ""))
+    chat = b.endpoint == "/v1/chat/completions"
+    head = {"id": f"batch_req_{job.id}", "custom_id": line.custom_id, "error": None}
+    if job.status == JobStatus.DONE:
+        answer = Answer(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model,
+                        tier="flex", chat=chat, created=int(job.enqueued_at.timestamp()))
+        done = {"finish_reason": job.finish_reason,
+                "usage": {"prompt_tokens": job.prompt_tokens,
+                          "completion_tokens": job.completion_tokens or 0,
+                          "cached_tokens": job.cached_tokens}}
+        body = answer.whole(job.output_text or "", done)
+        return {**head, "response": {"status_code": 200, "request_id": job.id, "body": body}}
+    if job.status == JobStatus.CANCELLED:
+        error = ApiError(499, None, "the batch was cancelled before this request ended",
+                         kind="batch_cancelled")
+    else:
+        error = job_error({"code": "deadline_exceeded" if job.status == JobStatus.EXPIRED
+                           else "job_failed", "message": job.error})
+    status, body = error_body(error)
+    return {**head, "response": {"status_code": status, "request_id": job.id, "body": body}}
+
+
+def _jsonl(items: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items)
