@@ -48,6 +48,7 @@ from api.deps import (
 )
 from api.errors import ApiError, malformed, not_found, unavailable
 from api.fleet import fleet_report
+from api.frontgate import FrontGate
 from api.openai_api import error_body
 from api.schemas import parse_job_request
 from store.batches import Batches
@@ -88,6 +89,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.deps = deps
     app.add_middleware(BodyLimit, limit_of=_body_limit(settings),
                        refusal=_body_refusal(deps))
+    # Outermost: a stranger's request is refused before anything else runs (api/frontgate.py).
+    app.add_middleware(FrontGate, gate=lambda: deps.key_gate,
+                       render=lambda path, exc: error_response(deps, path, exc))
     app.add_exception_handler(ApiError, handle_api_error)
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)

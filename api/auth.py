@@ -70,6 +70,7 @@ UNKNOWN_CACHE_MAX = 10_000
 KEY_CHECK_RANK = (-2.0,)
 UNKNOWN_CALLER_RANK = (1e9,)
 UNKNOWN_KEY = "authorization: unknown or revoked API key"
+MISSING_KEY = "authorization: missing `Authorization: Bearer <API key>` header"
 CHANGES_POLL_S = 1.0  # follow_changes waits this long for a message per call
 
 
@@ -145,15 +146,15 @@ class FailedAuth:
         self._item = RateLimitItemPerSecond(limit, window_s)
         self._limiter = FixedWindowRateLimiter(MemoryStorage())
 
-    def check(self, client: str) -> None:
-        """Raises 429 `auth_failures` when `client` has had its 401s for this window."""
+    def refusal(self, client: str) -> ApiError | None:
+        """The 429 `auth_failures` when `client` has had its 401s for this window."""
         if self._limiter.test(self._item, client):
-            return
+            return None
         reset_at, _ = self._limiter.get_window_stats(self._item, client)
         retry_after = max(1, math.ceil(reset_at - time.time()))
-        raise over_limit("auth_failures", f"too many requests with a missing or unknown API "
-                         f"key from this address: at most {self._item.amount} in "
-                         f"{self._item.get_expiry()} s; retry in {retry_after} s", retry_after)
+        return over_limit("auth_failures", f"too many requests with a missing or unknown "
+                          f"API key from this address: at most {self._item.amount} in "
+                          f"{self._item.get_expiry()} s; retry in {retry_after} s", retry_after)
 
     def count(self, client: str) -> None:
         """One more 401 answered to `client`."""
@@ -165,13 +166,19 @@ _known = _KnownKeys()
 _unknown = _UnknownKeys()
 
 
-def bearer_key(request: Request) -> str:
-    """The request's API key; 401 when it carries none (no store lookup)."""
-    header = request.headers.get("authorization", "")
+def _bearer(header: str) -> str | None:
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key.strip():
-        raise unauthorized("authorization: missing `Authorization: Bearer <API key>` header")
+        return None
     return key.strip()
+
+
+def bearer_key(request: Request) -> str:
+    """The request's API key; 401 when it carries none (no store lookup)."""
+    key = _bearer(request.headers.get("authorization", ""))
+    if key is None:
+        raise unauthorized(MISSING_KEY)
+    return key
 
 
 def tenant_for_key(store: Store, key: str) -> Tenant:
@@ -205,23 +212,38 @@ class KeyGate:
     def __init__(self, admission: Admission, failures: FailedAuth) -> None:
         self.admission, self.failures = admission, failures
 
+    def refusal(self, client: str, authorization: str) -> ApiError | None:
+        """What needs no lookup to refuse (None: look the key up): no key, a key refused
+        lately, or a key never seen valid from an address past its 401s. Counts the 401s
+        it answers. The front door (FrontGate) asks this before FastAPI runs."""
+        key = _bearer(authorization)
+        if key is None:
+            return self._failed(client, unauthorized(MISSING_KEY))
+        digest = key_digest(key)
+        tenant, _ = _known.get(digest)
+        if tenant is not None:  # seen valid here: never held back
+            return None
+        if digest in _unknown:
+            return self._failed(client, unauthorized(UNKNOWN_KEY))
+        return self.failures.refusal(client)
+
+    def _failed(self, client: str, refused: ApiError) -> ApiError:
+        over = self.failures.refusal(client)
+        if over is not None:
+            return over
+        self.failures.count(client)
+        return refused
+
     async def tenant(self, store: Store, request: Request) -> Tenant:
         client = request.client.host if request.client else "-"
-        try:
-            key = bearer_key(request)
-        except ApiError:
-            self.failures.check(client)  # 429 past the limit, else the 401
-            self.failures.count(client)
-            raise
+        refused = self.refusal(client, request.headers.get("authorization", ""))
+        if refused is not None:
+            raise refused
+        key = bearer_key(request)
         digest = key_digest(key)
         tenant, fresh = _known.get(digest)
         if fresh and tenant is not None:
             return tenant
-        if tenant is None:  # never seen valid here: an unknown caller
-            self.failures.check(client)
-            if digest in _unknown:
-                self.failures.count(client)
-                raise unauthorized(UNKNOWN_KEY)
         rank = KEY_CHECK_RANK if tenant is not None else UNKNOWN_CALLER_RANK
         try:
             return await self.admission.run(rank, tenant_for_key, store, key,

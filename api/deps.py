@@ -323,11 +323,11 @@ def _register(scope: Scope, end: Callable[[], None]) -> Callable[[], None]:
     returns what takes it out."""
     app_state = getattr(scope.get("app"), "state", None)
     streams = getattr(getattr(app_state, "deps", None), "open_streams", None)
+    if streams is None:  # not served by the app (a stream built on its own)
+        return lambda: None
     try:
         key = bearer_key(Request(scope))
     except ApiError:
-        key = None
-    if streams is None or key is None:
         return lambda: None
     forget: Callable[[], None] = streams.add(key, end)
     return forget

@@ -18,7 +18,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+)
 
 from api.errors import ApiError
 from api.schemas import JobRequest, check_text
@@ -90,13 +98,14 @@ def _joined(content: str | list[TextPart]) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    include_usage: bool = False
-    include_obfuscation: bool | None = None  # no obfuscation padding is ever sent
+    include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None  # no obfuscation padding is ever sent
 
 
 class _Common(BaseModel):
     """What chat and text completions share: sampling, streaming, tidegate's extensions.
-    Integers are strict (StrictInt): pydantic's lax mode would take `false` as 0."""
+    Integers and booleans are strict: pydantic's lax mode would take `false` as 0, 0 as
+    `false`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -106,7 +115,7 @@ class _Common(BaseModel):
     n: StrictInt | None = None
     stop: str | list[str] | None = None
     seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    stream: bool | None = False
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     service_tier: str | None = None
