@@ -94,6 +94,7 @@ from tidegate_tools.procs import Proc, free_port, tidegate_argv  # noqa: E402
 from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
 
 NAME = "noisy_neighbour"
+PARTS = ("flood", "uploads", "batches", "callbacks")  # the hostile loads (--only)
 PROFILE = "llama-3.1-8b-fp8-h100"  # the sim workers' GPU token rates
 # The victim submits on `finance` (a worker of its own) and runs its batch on `batch`,
 # which runs on `chat`'s workers at the lowest priority: its own submits never starve its
@@ -126,7 +127,8 @@ BAD_BATCH_EVERY_S = 2.0
 MAX_BAD_BATCHES = 16
 UPLOAD_BYTES = 1 << 30  # each chunked upload's file part
 UPLOAD_CHUNK = 1 << 20
-MAX_UPLOADS = 4  # uploads one after the other while the phase lasts, at most
+MAX_UPLOADS = 40  # uploads while the phase lasts, at most (each refused at the file limit)
+UPLOAD_EVERY_S = 1.0  # an upload starts at most this often, so they span the window
 FLOOD_RATE = 1000.0  # unauthenticated submits a second
 FLOOD_MAX_PENDING = 256  # flood requests in flight at most; beyond, a send is skipped
 FLOOD_TIMEOUT_S = 10.0
@@ -153,6 +155,12 @@ class Config:
     max_uploads: int
     quick: bool
     hostile_nice: int
+    parts: tuple[str, ...] = ()  # the hostile loads run; all when empty
+
+    @property
+    def name(self) -> str:
+        """The results' name: a run of some parts only never overwrites the full run's."""
+        return NAME if not self.parts else f"{NAME}-only-{'-'.join(self.parts)}"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config | Path:
@@ -176,6 +184,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config | Path:
                         "before the stack's)")
     p.add_argument("--sqlite", action="store_true",
                    help="the store in a SQLite file (default: a private PostgreSQL database)")
+    p.add_argument("--only", default="",
+                   help=f"run only these hostile loads, comma-separated, of {', '.join(PARTS)} "
+                        "(where the victim's time goes; results under a name of their own)")
     p.add_argument("--hostile", type=Path, default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.hostile is not None:
@@ -183,10 +194,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config | Path:
     window = a.window_s or (10.0 if a.quick else 30.0)
     if window <= 0 or a.victim_rate <= 0 or a.flood_rate < 0:
         p.error("--window-s and --victim-rate must be positive, --flood-rate not negative")
+    parts = tuple(part for part in PARTS if part in a.only.split(","))
+    unknown = set(filter(None, a.only.split(","))) - set(PARTS)
+    if unknown:
+        p.error(f"--only: unknown {', '.join(sorted(unknown))}; known: {', '.join(PARTS)}")
     return Config(warm_s=3.0 if a.quick else 5.0, window_s=window, workers=a.workers,
                   slots=a.slots, postgresql=not a.sqlite, victim_rate=a.victim_rate,
-                  flood_rate=a.flood_rate, max_uploads=2 if a.quick else MAX_UPLOADS,
-                  quick=a.quick, hostile_nice=a.hostile_nice)
+                  flood_rate=a.flood_rate, max_uploads=10 if a.quick else MAX_UPLOADS,
+                  quick=a.quick, hostile_nice=a.hostile_nice, parts=parts)
 
 
 # ---------------------------------------------------------------- small helpers
@@ -588,7 +603,8 @@ def start_hostile(ctx: Context, start_at: float, end_at: float) -> tuple[Proc, P
     spec.write_text(json.dumps({
         "base": ctx.bench.base, "key": ctx.bench.hostile_key, "start_at": start_at,
         "end_at": end_at, "flood_rate": ctx.cfg.flood_rate,
-        "max_uploads": ctx.cfg.max_uploads, "nice": ctx.cfg.hostile_nice, "out": str(out)}))
+        "max_uploads": ctx.cfg.max_uploads, "nice": ctx.cfg.hostile_nice, "out": str(out),
+        "parts": list(ctx.cfg.parts or PARTS)}))
     spec.chmod(0o600)  # it holds the hostile tenant's key
     argv = [sys.executable, str(Path(__file__).resolve()), "--hostile", str(spec)]
     return Proc("hostile", argv, ctx.bench.logs / "hostile.log", dict(os.environ)), out
@@ -868,7 +884,11 @@ async def one_upload(http: aiohttp.ClientSession, spec: dict[str, Any]) -> dict[
 
 async def hostile_uploads(http: aiohttp.ClientSession, spec: dict[str, Any],
                           h: Hostile) -> None:
-    for _ in range(spec["max_uploads"]):
+    """Chunked uploads one after the other, one every UPLOAD_EVERY_S at most, until the
+    phase ends: each is refused at the file limit in well under a second, so a few at
+    the start would leave the measured window untouched."""
+    for n in range(spec["max_uploads"]):
+        await sleep_until(spec["start_at"] + n * UPLOAD_EVERY_S)
         if time.time() >= spec["end_at"] - 1:
             return
         h.uploads.append(await one_upload(http, spec))
@@ -925,8 +945,11 @@ async def hostile_main(spec: dict[str, Any]) -> Hostile:
             tally(h.bad_batches, f"bad file refused: {exc}"[:100])
         h.started_late_s = max(0.0, time.time() - spec["start_at"])
         await sleep_until(spec["start_at"])
-        loads = [hostile_flood(spec, h), hostile_uploads(http, spec, h),
-                 hostile_batches(http, spec, h), hostile_callbacks(http, spec, h, drip.url)]
+        every = {"flood": lambda: hostile_flood(spec, h),
+                 "uploads": lambda: hostile_uploads(http, spec, h),
+                 "batches": lambda: hostile_batches(http, spec, h),
+                 "callbacks": lambda: hostile_callbacks(http, spec, h, drip.url)}
+        loads = [every[part]() for part in spec["parts"]]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*loads),
                                    max(1.0, spec["end_at"] - time.time() + 5))
@@ -1007,6 +1030,18 @@ def phase_figures(phase: Phase) -> dict[str, Any]:
     }
 
 
+def _uploads_cell(uploads: list[dict[str, Any]]) -> str:
+    if not uploads:
+        return "none"
+    answers: dict[str, int] = {}
+    for u in uploads:
+        tally(answers, u["status"] or u["answer"])
+    sent = [u["bytes_sent"] / 2**20 for u in uploads]
+    took = [float(u["s"]) for u in uploads]
+    return (f"{len(uploads)} uploads; answers {answers}; MiB sent each "
+            f"{min(sent):,.0f}-{max(sent):,.0f}; seconds each {min(took):.2f}-{max(took):.2f}")
+
+
 def hostile_figures(h: dict[str, Any], seconds: float) -> dict[str, Any]:
     if "error" in h:
         return {"error": h["error"]}
@@ -1085,8 +1120,7 @@ def victim_table(alone: dict[str, Any], loaded: dict[str, Any]) -> str:
 def hostile_table(h: dict[str, Any]) -> str:
     if "error" in h:
         return f"The hostile process reported nothing: {h['error']}"
-    uploads = "; ".join(f"{u['bytes_sent'] / 2**20:,.0f} MiB sent in {u['s']} s -> "
-                        f"{u['status'] or u['answer']}" for u in h["uploads"]) or "none"
+    uploads = _uploads_cell(h["uploads"])
     rows = [
         ["unauthenticated submits", f"{h['flood_sent']:,} sent ({fmt(h['flood_sent_per_s'], 0)}"
          f"/s), {h['flood_skipped']:,} skipped at {FLOOD_MAX_PENDING} in flight; answers "
@@ -1164,11 +1198,13 @@ def setup_lines(cfg: Config, bench: Bench, wall_s: float) -> dict[str, Any]:
                   f"callback_url to a prompt receiver); a batch of "
                   f"{BATCH_LINES:,} chat lines per phase",
         "hostile": f"unauthenticated submits at {cfg.flood_rate:g}/s; up to "
-                   f"{cfg.max_uploads} chunked uploads of {UPLOAD_BYTES >> 20:,} MiB; a "
+                   f"{cfg.max_uploads} chunked uploads of {UPLOAD_BYTES >> 20:,} MiB (one a "
+                   f"second at most); a "
                    f"batch of {BAD_LINES} bad lines every {BAD_BATCH_EVERY_S:g} s (at most "
                    f"{MAX_BAD_BATCHES}); {CALLBACK_BURST} jobs then {CALLBACK_RATE:g}/s with a "
                    f"callback that drips a byte every {DRIP_S:g} s; its client at niceness "
                    f"{cfg.hostile_nice}",
+        "hostile loads run": ", ".join(cfg.parts or PARTS),
         "warm-up / window per phase (s)": f"{cfg.warm_s:g} / {cfg.window_s:g}",
         "wall time of the whole benchmark (s)": round(wall_s, 1),
     }
@@ -1218,15 +1254,16 @@ def report(cfg: Config, bench: Bench, phases: Sequence[Phase], wall_s: float) ->
     setup = setup_lines(cfg, bench, wall_s)
     table = (f"{victim_table(alone, loaded)}\n\n### What the hostile tenant did (loaded "
              f"phase)\n\n{hostile_table(hostile)}")
-    write_report(RESULTS / f"{NAME}.md", "Noisy neighbour: a hostile tenant beside a victim",
+    write_report(RESULTS / f"{cfg.name}.md", "Noisy neighbour: a hostile tenant beside a victim",
                  table, setup, notes)
-    plot(RESULTS / f"{NAME}.png", phases)
-    out = {"benchmark": NAME, "victim_submit_p99_ratio": p99_ratio,
+    plot(RESULTS / f"{cfg.name}.png", phases)
+    out = {"benchmark": NAME, "parts": list(cfg.parts or PARTS),
+           "victim_submit_p99_ratio": p99_ratio,
            "victim_batch_progress_ratio": progress_ratio, "api_rss_growth_mb": growth,
            "within_2x": bool(p99_ratio <= 2 and progress_ratio >= 0.5),
            "alone": alone, "loaded": loaded, "hostile": hostile,
            "setup": setup, "wall_s": round(wall_s, 1)}
-    write_json(RESULTS / f"{NAME}.json", out)
+    write_json(RESULTS / f"{cfg.name}.json", out)
     return out
 
 
@@ -1250,8 +1287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         phases = asyncio.run(run_all(bench, cfg, tmp))
         wall_s = time.monotonic() - started
         out = report(cfg, bench, phases, wall_s)
-    log(f"wrote {RESULTS}/{NAME}.md, .png, .json in {wall_s:.0f} s")
-    print((RESULTS / f"{NAME}.md").read_text(), flush=True)
+    log(f"wrote {RESULTS}/{cfg.name}.md, .png, .json in {wall_s:.0f} s")
+    print((RESULTS / f"{cfg.name}.md").read_text(), flush=True)
     print_json_last(out)
     return 0
 

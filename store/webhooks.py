@@ -166,17 +166,29 @@ class Webhooks:
 
     # -- deliveries ----------------------------------------------------------------
 
+    def due_tenants(self) -> set[int]:
+        """The tenants that have a delivery due now."""
+        stmt = (select(WebhookDelivery.tenant_id).distinct()
+                .where(WebhookDelivery.status.in_((PENDING, SENDING)),
+                       WebhookDelivery.next_attempt_at <= utcnow()))
+        with self.store._read() as session:
+            return set(session.scalars(stmt))
+
     def claim_due(self, lease: timedelta, limit: int, give_up: timedelta | None = None,
-                  per_tenant: int | None = None) -> list[DeliveryRecord]:
+                  per_tenant: int | None = None,
+                  skip_tenants: frozenset[int] = frozenset()) -> list[DeliveryRecord]:
         """Deliveries due now, marked `sending` until `lease` from now: one sent and not
         answered by then (its worker died) is due again, with the same webhook-id. A due
         delivery older than `give_up` is failed here instead, never claimed again. At most
         `per_tenant` of one tenant's are claimed at once, the earliest due first: a
-        tenant's backlog cannot fill every claim ahead of another tenant's delivery."""
+        tenant's backlog cannot fill every claim ahead of another tenant's delivery. The
+        due deliveries of `skip_tenants` (whose concurrency is full) stay as they are."""
         now = utcnow()
         due = (WebhookDelivery.status.in_((PENDING, SENDING)),
                WebhookDelivery.next_attempt_at <= now)
         stmt = select(WebhookDelivery).where(*due)
+        if skip_tenants:
+            stmt = stmt.where(WebhookDelivery.tenant_id.not_in(skip_tenants))
         if per_tenant is not None:
             ranked = (select(WebhookDelivery.id, func.row_number().over(
                 partition_by=WebhookDelivery.tenant_id,

@@ -150,6 +150,19 @@ class Slots:
         return bool(self._take(keys=self._keys(tenant_id, host),
                                args=[now, now + self.ttl_ms, token, *caps]))
 
+    def full_tenants(self, tenant_ids: set[int]) -> frozenset[int]:
+        """Those of `tenant_ids` whose deliveries in flight fill their cap now."""
+        if not tenant_ids:
+            return frozenset()
+        now, ns = int(time.time() * 1000), self.settings.namespace
+        ordered = sorted(tenant_ids)
+        pipe = self.client.pipeline(transaction=False)
+        for tenant_id in ordered:
+            pipe.zcount(keys.webhook_slots(ns, "tenant", str(tenant_id)), now, "+inf")
+        counts = pipe.execute()
+        cap = self.settings.webhook_tenant_concurrency
+        return frozenset(t for t, n in zip(ordered, counts, strict=True) if int(n) >= cap)
+
     def release(self, tenant_id: int, host: str, token: str) -> None:
         pipe = self.client.pipeline(transaction=False)
         for key in self._keys(tenant_id, host):
@@ -283,9 +296,14 @@ def dispatch(app: Celery, client: redis.Redis, store: Store, settings: Settings)
     lock = keys.scheduler_lock(settings.namespace, "webhooks", period)
     if not take_period(client, lock, settings.webhook_dispatch_s):
         return 0
-    due = Webhooks(store).claim_due(timedelta(seconds=lease_s(settings)), CLAIM_LIMIT,
-                                    timedelta(seconds=settings.webhook_give_up_s),
-                                    CLAIM_PER_TENANT)
+    hooks = Webhooks(store)
+    # A tenant whose slots are all held (its receivers are slow) is not claimed at all:
+    # each claim would only be deferred, and that churn would be the sender's work spent
+    # on the slowest tenant. A tenant is claimed at most its cap a period, for the same.
+    full = Slots(client, settings).full_tenants(hooks.due_tenants())
+    due = hooks.claim_due(timedelta(seconds=lease_s(settings)), CLAIM_LIMIT,
+                          timedelta(seconds=settings.webhook_give_up_s),
+                          min(CLAIM_PER_TENANT, settings.webhook_tenant_concurrency), full)
     for delivery in due:
         app.send_task(DELIVER, args=[delivery.id], queue=webhook_queue(settings))
     return len(due)

@@ -26,6 +26,7 @@ import logging
 import logging.config
 import re
 import sys
+import threading
 from collections.abc import Collection, Iterator, Mapping
 from contextvars import ContextVar, Token
 from datetime import UTC, datetime
@@ -140,6 +141,40 @@ class AccessPaths(logging.Filter):
             found = self.job_path.search(path) if self.job_path else None
             if found and not hasattr(record, "job_id"):
                 record.job_id = found.group(1)
+        return True
+
+
+class QuietRefusals(logging.Filter):
+    """For uvicorn's access log: at most `per_s` lines a second of requests refused 401 or
+    429, the next one passed saying how many were left out. A flood of strangers (each
+    refused at the front door, api/frontgate.py) would otherwise cost the API a log line
+    per request, its largest part of their cost, and fill the disk every tenant's lines
+    share; tidegate_requests_rejected_total still counts every one."""
+
+    QUIET = frozenset({401, 429})
+
+    def __init__(self, per_s: int = 10) -> None:
+        super().__init__()
+        self.per_s = per_s
+        self._second, self._passed, self._left_out = 0, 0, 0
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5 and args[4] in self.QUIET):
+            return True
+        second = int(record.created)
+        with self._lock:
+            if second != self._second:
+                self._second, self._passed = second, 0
+            if self._passed >= self.per_s:
+                self._left_out += 1
+                return False
+            self._passed += 1
+            left_out, self._left_out = self._left_out, 0
+        if left_out:
+            record.msg = f"{record.msg} (and %d refused requests not logged before it)"
+            record.args = (*args, left_out)
         return True
 
 

@@ -155,11 +155,13 @@ def _api_logging(settings: Any) -> None:
     import logging
     import re
 
-    from tidegate.logs import AccessPaths, setup_logging
+    from tidegate.logs import AccessPaths, QuietRefusals, setup_logging
 
     setup_logging(settings, "api", loggers=dict.fromkeys(
         ("uvicorn", "uvicorn.error", "uvicorn.access"), settings.log_level.upper()))
-    logging.getLogger("uvicorn.access").addFilter(AccessPaths(re.compile(JOB_PATH)))
+    access = logging.getLogger("uvicorn.access")
+    access.addFilter(QuietRefusals())  # first: a line left out costs no more
+    access.addFilter(AccessPaths(re.compile(JOB_PATH)))
 
 
 # The password tidegate shipped as Flower's default until it had none: still in configs

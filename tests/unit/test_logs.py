@@ -97,6 +97,27 @@ def test_access_lines_keep_the_path_and_name_the_job() -> None:
     assert record.job_id == job  # type: ignore[attr-defined]
 
 
+def _access(status: int, at: float) -> logging.LogRecord:
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1,
+                               '%s - "%s %s HTTP/%s" %d',
+                               ("10.0.0.9:5", "POST", "/v1/jobs", "1.1", status), None)
+    record.created = at
+    return record
+
+
+def test_a_flood_of_refused_requests_is_logged_a_few_lines_a_second_and_counted() -> None:
+    quiet = logs.QuietRefusals(per_s=3)
+    passed = [r for r in (_access(401 if n % 2 else 429, 1000.5) for n in range(50))
+              if quiet.filter(r)]
+    assert len(passed) == 3
+    tenant = _access(202, 1000.6)
+    assert quiet.filter(tenant), "an accepted request is always logged"
+    next_second = _access(401, 1001.1)
+    assert quiet.filter(next_second)
+    assert next_second.getMessage().endswith(
+        '"POST /v1/jobs HTTP/1.1" 401 (and 47 refused requests not logged before it)')
+
+
 def test_text_for_a_person() -> None:
     settings = get_settings().model_copy(update={"log_format": "text"})
     config = logs.dict_config(settings, "api")
