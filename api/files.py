@@ -10,7 +10,10 @@ up to TIDEGATE_BATCH_MAX_FILE_BYTES and each of its lines checked against
 TIDEGATE_BATCH_MAX_LINE_BYTES as it comes; past either the answer goes at once (413, or
 400 naming the line) and nothing more is read. Nothing is spooled to disk. A tenant's
 files and their bytes are bounded by quotas (429 `quota_exceeded`), and so are its open
-batches (counted when one is created, api/batches.py). A file is served in slices read
+batches (counted when one is created, api/batches.py). What a tenant uploads a minute is
+bounded too (TIDEGATE_TENANT_UPLOAD_BYTES_PER_MINUTE, refused uploads' bytes included:
+reading them cost the API as much), so a stream of uploads refused at the limit cannot
+keep an API process busy parsing them. A file is served in slices read
 from the store one after the other (store/batches.py, `file_parts`), never whole.
 
 A file expires: an upload after TIDEGATE_FILE_RETENTION_DAYS (or its `expires_after`, if
@@ -34,6 +37,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from api.auth import authenticate
 from api.deps import Deps
 from api.errors import ApiError, not_found
+from api.limits import charge_upload, check_upload_budget
 from api.openai_api import bad
 from api.schemas import check_text
 from store.batches import Batches, FileQuota, FileRecord
@@ -61,7 +65,13 @@ def _file_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, A
     @app.post("/v1/files", **hidden)
     async def upload(request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
-        form = await read_form(request, deps.settings)
+        ns, budget = deps.settings.namespace, deps.settings.tenant_upload_bytes_per_minute
+        await check_upload_budget(deps.redis, ns, tenant.id, budget)
+        read = [0]  # the body's bytes read, whatever the answer: what the upload cost
+        try:
+            form = await read_form(request, deps.settings, read)
+        finally:
+            await charge_upload(deps.redis, ns, tenant.id, read[0])
         record = await asyncio.to_thread(_store_upload, batches, deps.settings, tenant.id,
                                          form)
         return JSONResponse(file_json(record))
@@ -216,18 +226,19 @@ def _filename(raw: bytes) -> str:
     return name[:255] or "batch.jsonl"
 
 
-async def read_form(request: Request, settings: Settings) -> Form:
-    """The upload, read as it arrives and stopped at the first byte past a bound. An
-    answer given before the body's end closes the connection (`Connection: close`), so
-    the server does not read the rest of the body to keep it alive."""
+async def read_form(request: Request, settings: Settings, read: list[int]) -> Form:
+    """The upload, read as it arrives and stopped at the first byte past a bound; `read[0]`
+    counts its bytes as they come. An answer given before the body's end closes the
+    connection (`Connection: close`), so the server does not read the rest of the body to
+    keep it alive."""
     try:
-        return await _read_form(request, settings)
+        return await _read_form(request, settings, read)
     except ApiError as exc:
         exc.headers = {**exc.headers, "Connection": "close"}
         raise
 
 
-async def _read_form(request: Request, settings: Settings) -> Form:
+async def _read_form(request: Request, settings: Settings, read: list[int]) -> Form:
     file_limit = settings.batch_max_file_bytes
     body_limit = file_limit + FORM_OVERHEAD_BYTES
     declared = request.headers.get("content-length", "")
@@ -241,10 +252,9 @@ async def _read_form(request: Request, settings: Settings) -> Form:
         parser = MultipartParser(params[b"boundary"], form.callbacks())  # type: ignore[arg-type]
     except FormParserError:
         raise bad("file", "the multipart boundary is not valid") from None
-    read = 0
     async for chunk in request.stream():
-        read += len(chunk)
-        if read > body_limit:
+        read[0] += len(chunk)
+        if read[0] > body_limit:
             raise ApiError(413, "file", f"file: larger than the limit of {file_limit} bytes")
         try:
             parser.write(chunk)

@@ -53,6 +53,31 @@ def charge(client: Any, namespace: str, tenant: Tenant, tokens: int) -> None:
                            f"(prompt plus max_tokens)", retry_after)
 
 
+async def check_upload_budget(client: Any, namespace: str, tenant_id: int,
+                              per_minute: int) -> None:
+    """429 before an upload is read when the tenant's upload bytes this minute are spent
+    (async: the upload route's Redis is the API's asyncio client). An upload is charged
+    what was read of it, refused or not, by `charge_upload` when it ends; so a tenant
+    passes its budget by at most one upload (TIDEGATE_BATCH_MAX_FILE_BYTES)."""
+    now = time.time()
+    key = keys.rate_window(namespace, tenant_id, int(now // 60), "upload_bytes")
+    used = int(await client.get(key) or 0)
+    if used >= per_minute:
+        retry_after = 60 - int(now % 60)
+        raise ApiError(429, "file", f"rate limit: this tenant may upload {per_minute} bytes "
+                       f"a minute (TIDEGATE_TENANT_UPLOAD_BYTES_PER_MINUTE); retry in "
+                       f"{retry_after} s", kind="rate_limited",
+                       headers={"Retry-After": str(retry_after), "Connection": "close"})
+
+
+async def charge_upload(client: Any, namespace: str, tenant_id: int, read: int) -> None:
+    key = keys.rate_window(namespace, tenant_id, int(time.time() // 60), "upload_bytes")
+    pipe = client.pipeline(transaction=True)
+    pipe.incrby(key, read)
+    pipe.expire(key, keys.RATE_WINDOW_TTL_S)
+    await pipe.execute()
+
+
 def _add(client: Any, key: str, amount: int) -> int:
     pipe = client.pipeline(transaction=True)
     pipe.incrby(key, amount)

@@ -98,6 +98,9 @@ class Settings(BaseSettings):
     tenant_max_files: int = Field(500, gt=0)
     tenant_max_file_bytes: int = Field(1024**3, gt=0)
     tenant_max_open_batches: int = Field(20, gt=0)
+    # What one tenant may upload to /v1/files a minute, refused uploads' bytes included
+    # (api/files.py): the API's time parsing uploads is shared by every tenant.
+    tenant_upload_bytes_per_minute: int = Field(256 * 1024**2, gt=0)
 
     # Retention (scheduler/retention.py; README, "What is kept, and for how long"), in
     # days, purged by the scheduler every `retention_purge_s`: a job's output text (the row

@@ -105,6 +105,48 @@ def test_a_chunked_upload_past_the_limit_is_refused_without_reading_the_rest(
     assert upload(http, lines(2)).status_code == 200
 
 
+def chunked_upload(http: httpx.Client, offered: int) -> tuple[httpx.Response, int]:
+    """A chunked upload offering `offered` bytes of lines; (the answer, bytes pulled)."""
+    pulled = 0
+
+    def body() -> Iterator[bytes]:
+        nonlocal pulled
+        whole = multipart(b"big.jsonl", b"")
+        end = whole.rindex(b"\r\n--")
+        yield whole[:end]
+        chunk = lines(64 * 1024 // (len(LINE) + 1))
+        while pulled < offered:
+            pulled += len(chunk)
+            yield chunk
+        yield whole[end:]
+
+    resp = http.post("/v1/files", content=body(),
+                     headers={"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+    return resp, pulled
+
+
+def test_uploads_refused_at_the_limit_spend_the_tenants_upload_budget(
+        redis_server: str, tmp_root: Path) -> None:
+    """A tenant that keeps sending uploads past the file limit pays for what the API read
+    of them: once its bytes a minute are spent, its next upload is a 429 before its body is
+    read, while another tenant uploads as before."""
+    with api_of_its_own(redis_server, tmp_root, "uploadbudget", 15, [("chat", "vllm")],
+                        batch_max_file_bytes=FILE_LIMIT,
+                        tenant_upload_bytes_per_minute=8 * MIB) as own:
+        hostile, other = tenant(own, "uploads-a-lot"), tenant(own, "uploads-once")
+        answers = []
+        for _ in range(3):  # one refused upload spends the budget; a minute may turn once
+            resp, pulled = chunked_upload(hostile, 64 * MIB)
+            answers.append(resp.status_code)
+            if resp.status_code == 429:
+                break
+        assert answers[0] == 413 and answers[-1] == 429, answers
+        assert error(resp)["code"] == "rate_limited" and error(resp)["param"] == "file"
+        assert 0 < int(resp.headers["retry-after"]) <= 60
+        assert pulled < 4 * MIB, f"the refused upload's body was read: {pulled / MIB:.0f} MiB"
+        assert upload(other, lines(2)).status_code == 200
+
+
 def test_a_batch_line_longer_than_its_limit_is_refused_naming_its_line(
         api: ApiOfItsOwn) -> None:
     http = tenant(api, "long-line")

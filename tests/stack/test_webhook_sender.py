@@ -502,18 +502,39 @@ def test_a_url_that_raises_while_resolved_is_recorded_and_given_up_at_claim(
 
 def test_a_tenants_backlog_does_not_fill_the_dispatchers_claims(pin: Hooks) -> None:
     """250 deliveries of one tenant due before another's: a period's claims (200) take
-    at most CLAIM_PER_TENANT of the first, and the other's among them."""
+    at most the tenant's concurrency cap of the first, and the other's among them; once
+    the first tenant's slots are all held (its receivers are slow), none of its
+    deliveries is claimed at all (each would only be deferred: the sender's time spent
+    on the slowest tenant)."""
     noisy_id, _ = pin.new_tenant("backlog")
     victim_id, victim_key = pin.new_tenant("behind")
     for _ in range(250):
         ended_job(pin.own.store, noisy_id, "https://hooks.example/drip")
     victim = ended_job(pin.own.store, victim_id, "https://hooks.example/ok")
-    dispatch_now(pin, sender_of(pin).settings)
+    sender = sender_of(pin)
+    dispatch_now(pin, sender.settings)
     assert pin.deliveries(victim, victim_key)[0]["status"] == "sending"
-    with pin.own.store.engine.connect() as conn:
+    cap = min(CLAIM_PER_TENANT, sender.settings.webhook_tenant_concurrency)
+    assert claimed_of(pin, noisy_id) == cap
+    with pin.own.store.engine.begin() as conn:  # back to pending, due now
+        conn.execute(text("UPDATE webhook_deliveries SET status = 'pending', "
+                          "next_attempt_at = :now WHERE tenant_id = :t"),
+                     {"t": noisy_id, "now": datetime.now(UTC) - timedelta(seconds=1)})
+    for n in range(sender.settings.webhook_tenant_concurrency):  # its slots all held
+        assert sender.slots.take(noisy_id, f"drip-{n}.example", f"held-{n}")
+    try:
+        dispatch_now(pin, sender.settings)
+        assert claimed_of(pin, noisy_id) == 0
+    finally:
+        for n in range(sender.settings.webhook_tenant_concurrency):
+            sender.slots.release(noisy_id, f"drip-{n}.example", f"held-{n}")
+
+
+def claimed_of(hooks: Hooks, tenant_id: int) -> int:
+    with hooks.own.store.engine.connect() as conn:
         claimed = conn.execute(text("SELECT count(*) FROM webhook_deliveries WHERE "
-                                    "tenant_id = :t AND status = 'sending'"), {"t": noisy_id})
-        assert claimed.scalar() == CLAIM_PER_TENANT
+                                    "tenant_id = :t AND status = 'sending'"), {"t": tenant_id})
+        return int(claimed.scalar() or 0)
 
 
 def test_deliveries_show_outcome_classes_never_addresses_or_error_text(pin: Hooks) -> None:
