@@ -76,20 +76,21 @@ def _file_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, A
                                          form)
         return JSONResponse(file_json(record))
 
-    @app.get("/v1/files/{file_id}", **hidden)
-    async def get_file(file_id: str, request: Request) -> JSONResponse:
+    async def own_file(file_id: str, request: Request) -> FileRecord:
+        """The caller's file of that id; 404 for any other (another tenant's included)."""
         tenant = await authenticate(deps.store, request)
         record = await asyncio.to_thread(batches.get_file, file_id, tenant.id)
         if record is None:
             raise not_found("file")
-        return JSONResponse(file_json(record))
+        return record
+
+    @app.get("/v1/files/{file_id}", **hidden)
+    async def get_file(file_id: str, request: Request) -> JSONResponse:
+        return JSONResponse(file_json(await own_file(file_id, request)))
 
     @app.get("/v1/files/{file_id}/content", **hidden)
     async def file_content(file_id: str, request: Request) -> StreamingResponse:
-        tenant = await authenticate(deps.store, request)
-        record = await asyncio.to_thread(batches.get_file, file_id, tenant.id)
-        if record is None:
-            raise not_found("file")
+        record = await own_file(file_id, request)
         # A sync iterator: Starlette pulls each part on a worker thread (a store read).
         return StreamingResponse(_encoded(batches.file_parts(record.id)),
                                  media_type="application/jsonl",
