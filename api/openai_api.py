@@ -59,14 +59,14 @@ OBJECT_CREATED = 1_767_225_600  # 2026-01-01: the `created` of GET /v1/models' e
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     # `developer` is OpenAI's newer name for the system turn.
     role: Literal["system", "developer", "user", "assistant"]
@@ -96,7 +96,7 @@ def _joined(content: str | list[TextPart]) -> str:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: StrictBool = False
     include_obfuscation: StrictBool | None = None  # no obfuscation padding is ever sent
@@ -104,10 +104,10 @@ class StreamOptions(BaseModel):
 
 class _Common(BaseModel):
     """What chat and text completions share: sampling, streaming, tidegate's extensions.
-    Integers and booleans are strict: pydantic's lax mode would take `false` as 0, 0 as
-    `false`."""
+    Every field is strict (the models' `strict=True`): pydantic's lax mode would take
+    `false` as 0 or 0.0, 0 as `false`, "1" as 1."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(min_length=1, max_length=256)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
