@@ -22,8 +22,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StrictBool,
-    StrictInt,
     ValidationError,
     field_validator,
 )
@@ -98,8 +96,8 @@ def _joined(content: str | list[TextPart]) -> str:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    include_usage: StrictBool = False
-    include_obfuscation: StrictBool | None = None  # no obfuscation padding is ever sent
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # no obfuscation padding is ever sent
 
 
 class _Common(BaseModel):
@@ -112,16 +110,16 @@ class _Common(BaseModel):
     model: str = Field(min_length=1, max_length=256)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: StrictInt | None = None
+    n: int | None = None
     stop: str | list[str] | None = None
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    stream: StrictBool | None = False
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
     service_tier: str | None = None
     # tidegate's own (extra_body)
     lane: str | None = Field(None, min_length=1, max_length=64)
-    priority: StrictInt | None = Field(None, ge=0, le=9)
+    priority: int | None = Field(None, ge=0, le=9)
     session_id: str | None = Field(None, min_length=1, max_length=128)
     deadline_s: float | None = Field(None, gt=0)
     idempotency_key: str | None = Field(None, min_length=1, max_length=128)
@@ -162,8 +160,8 @@ class ChatRequest(_Common):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, gt=0)
-    max_completion_tokens: StrictInt | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, gt=0)
+    max_completion_tokens: int | None = Field(None, gt=0)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -173,7 +171,7 @@ class CompletionRequest(_Common):
     """POST /v1/completions: one prompt, as text."""
 
     prompt: str | list[str]
-    max_tokens: StrictInt | None = Field(16, gt=0)  # OpenAI's default for this endpoint
+    max_tokens: int | None = Field(16, gt=0)  # OpenAI's default for this endpoint
 
     @field_validator("prompt")
     @classmethod

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from redbeat import RedBeatScheduler
 
 from api.fleet import active_workers, fleet_report
 from scheduler.beat import BEAT_LOCK_S, OneBeat, beat_config, redbeat_redis
+from tests.unit.test_deploy import compose_tool
 from tidegate.lanes import DEFAULT_LANES_FILE, LanesConfigError, load_lanes
 from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
@@ -191,15 +191,6 @@ def test_the_systemd_example_keeps_every_process_but_the_api_off_the_network() -
     assert hosts and set(hosts.values()) == {"127.0.0.1"}, hosts
     defaults = Settings.model_fields
     assert defaults["metrics_host"].default == defaults["flower_host"].default == "127.0.0.1"
-
-
-def compose_tool() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(
-            ["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    return None
 
 
 needs_compose = pytest.mark.skipif(
