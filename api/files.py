@@ -1,6 +1,8 @@
 """OpenAI's Files API, for the Batch API's input and output files.
 
     POST   /v1/files                a JSONL input file (multipart, purpose `batch`)
+    GET    /v1/files                the caller's files, a page (`purpose`, `limit`, `after`,
+                                    `order`, as OpenAI's)
     GET    /v1/files/{id}           its record;  GET /v1/files/{id}/content  its text
     DELETE /v1/files/{id}           gone; the input of an open batch is kept (409)
 
@@ -52,13 +54,35 @@ FORM_OVERHEAD_BYTES = 64 * 1024
 MAX_PARTS = 4  # the file, `purpose`, `expires_after[anchor]`, `expires_after[seconds]`
 MAX_FIELD_BYTES = 1024
 FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")
+# GET /v1/files: OpenAI's largest page, and its purposes (only `batch` and `batch_output`
+# files are stored here: a filter by another finds none).
+MAX_LIST_FILES = 10_000
+PURPOSES = ("assistants", "assistants_output", "batch", "batch_output", "fine-tune",
+            "fine-tune-results", "vision", "user_data", "evals")
 # C0 and C1 control characters and DEL: never in a filename (PostgreSQL refuses NUL; a
 # newline or an escape forges lines and terminals wherever the name is shown).
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def install(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
+    _list_route(app, deps, batches, hidden)
     _file_routes(app, deps, batches, hidden)
+
+
+def _list_route(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
+    @app.get("/v1/files", **hidden)
+    async def list_files(request: Request) -> JSONResponse:
+        tenant = await authenticate(deps.store, request)
+        purpose, after, limit, newest_first = _list_query(request)
+        rows = await asyncio.to_thread(batches.list_files, tenant.id, purpose, after,
+                                       limit + 1, newest_first)
+        if rows is None:  # another tenant's id is answered as an unknown one
+            raise bad("after", f"no file {after!r} (a cursor is the id of one of your files)")
+        page = rows[:limit]
+        return JSONResponse({"object": "list", "data": [file_json(f) for f in page],
+                             "first_id": page[0].id if page else None,
+                             "last_id": page[-1].id if page else None,
+                             "has_more": len(rows) > limit})
 
 
 def _file_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
@@ -111,6 +135,21 @@ def _file_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, A
                            "(POST /v1/batches/{id}/cancel) or let it end, then delete "
                            "the file", kind="file_in_use")
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+
+def _list_query(request: Request) -> tuple[str | None, str | None, int, bool]:
+    """GET /v1/files' query, as OpenAI's: (purpose, after, limit, newest first)."""
+    query = request.query_params
+    raw = query.get("limit", str(MAX_LIST_FILES))
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= MAX_LIST_FILES):
+        raise bad("limit", f"an integer from 1 to {MAX_LIST_FILES}")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad("order", "'asc' or 'desc'")
+    purpose = query.get("purpose")
+    if purpose is not None and purpose not in PURPOSES:
+        raise bad("purpose", f"one of {', '.join(PURPOSES)}")
+    return purpose, query.get("after"), int(raw), order == "desc"
 
 
 def _encoded(slices: Iterator[str]) -> Iterator[bytes]:

@@ -4,7 +4,7 @@ load balancer add up: `sum(rate(tidegate_jobs_admitted_total[5m]))` counts each 
 
 Job timings and tokens are the workers' (workers/metrics.py), fleet-wide gauges (queue
 depth, workers by state) the scheduler's (scheduler/metrics.py): each served by its own
-process. The README's "Metrics" table lists every metric and where it is served.
+process. docs/operations.md's "Metrics" table lists every metric and where it is served.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from api.files import MAX_LIST_FILES, PURPOSES
 from api.openai_api import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
@@ -79,6 +80,13 @@ PARAMETERS: Json = {
     "listBatches.after": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$",
                           "description": "The last batch id of the page before."},
     "listBatches.limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+    "listFiles.after": {"type": "string", "description": "The last file id of the page before."},
+    "listFiles.limit": {"type": "integer", "minimum": 1, "maximum": MAX_LIST_FILES,
+                        "default": MAX_LIST_FILES},
+    "listFiles.order": {"enum": ["asc", "desc"], "default": "desc",
+                        "description": "By creation time."},
+    "listFiles.purpose": {"enum": list(PURPOSES)},
+    "model": {"type": "string", "description": "A model id of GET /v1/models."},
 }
 EXPIRES_AFTER: Json = {
     "type": "object", "required": ["anchor", "seconds"], "additionalProperties": False,
@@ -89,6 +97,11 @@ EXPIRES_AFTER: Json = {
 EXAMPLE_LINE = ('{"custom_id": "order-1", "method": "POST", "url": "/v1/chat/completions", '
                 '"body": {"model": "chat", "max_tokens": 4, '
                 '"messages": [{"role": "user", "content": "Where is my parcel?"}]}}\n')
+# The request bodies' examples: a client's first request, answered (and the fuzzing run's
+# sure 2xx among the schema's many optional fields, tests/stack/test_fuzz.py).
+EXAMPLE_CHAT = {"model": "chat", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "Where is my parcel?"}]}
+EXAMPLE_COMPLETION = {"model": "chat", "max_tokens": 4, "prompt": "Where is my parcel?"}
 ENDPOINTS = ["/v1/chat/completions", "/v1/completions"]
 _AT = {"type": ["integer", "null"]}
 OPENAI_SSE: Json = {
@@ -111,11 +124,8 @@ def schemas(settings: Settings, lanes: Mapping[str, Lane]) -> Json:
                                       defs),
         "ChatCompletion": _completion("chat.completion", "message"),
         "TextCompletion": _completion("text_completion", "text"),
-        "ModelList": _list({"type": "object", "required": ["id", "object", "owned_by"],
-                            "properties": {"id": {"type": "string"},
-                                           "object": {"const": "model"},
-                                           "created": {"type": "integer"},
-                                           "owned_by": {"type": "string"}}}),
+        "Model": _model(),
+        "ModelList": _list(ref("Model")),
         "FileUpload": _file_upload(),
         "File": _file(),
         "FileDeleted": {"type": "object", "required": ["id", "object", "deleted"],
@@ -124,6 +134,7 @@ def schemas(settings: Settings, lanes: Mapping[str, Lane]) -> Json:
         "BatchRequest": _batch_request(),
         "Batch": _batch(),
         "BatchList": _list(ref("Batch")) | {"required": ["object", "data", "has_more"]},
+        "FileList": _list(ref("File")) | {"required": ["object", "data", "has_more"]},
     }
     _text_required(defs, found["CompletionRequest"])
     refuse_nul(defs)
@@ -135,7 +146,10 @@ def _text_required(defs: Json, completion: Json) -> None:
     (not "", [] or empty parts), and a completion one prompt that is not empty."""
     content = defs["ChatMessage"]["properties"]["content"]["anyOf"]
     for branch in content:
-        branch.update({"minLength": 1} if branch.get("type") == "string" else {"minItems": 1})
+        if branch.get("type") == "string":
+            branch["minLength"] = 1
+        elif branch.get("type") == "array":
+            branch["minItems"] = 1
     defs["TextPart"]["properties"]["text"]["minLength"] = 1
     for branch in completion["properties"]["prompt"]["anyOf"]:
         if branch.get("type") == "string":
@@ -152,7 +166,6 @@ def _request(model: type, refused: Mapping[str, tuple[Any, ...]], settings: Sett
     value_branch(fields["model"])["enum"] = model_ids(settings)
     value_branch(fields["lane"])["enum"] = sorted(lanes)
     value_branch(fields["service_tier"])["enum"] = sorted(settings.service_tiers)
-    value_branch(fields["n"])["enum"] = [1]  # one job gives one completion
     for name in ("max_tokens", "max_completion_tokens"):
         if name in fields:
             value_branch(fields[name])["maximum"] = max(
@@ -185,6 +198,17 @@ def _completion(obj: str, choice_field: str) -> Json:
                                "type": "object", "required": ["index", choice_field],
                                "properties": {"index": {"type": "integer"}}}},
                            "usage": {"type": "object"}}}
+
+
+def _model() -> Json:
+    return {"type": "object", "required": ["id", "object", "owned_by", "root", "parent"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                           "created": {"type": "integer"}, "owned_by": {"type": "string"},
+                           "root": {"type": "string", "description": "The base model."},
+                           "parent": {"type": ["string", "null"], "description":
+                                      "A LoRA adapter's base model; null for the base "
+                                      "model and its lane aliases."},
+                           "max_model_len": {"type": "integer"}}}
 
 
 def _list(item: Json) -> Json:
@@ -255,14 +279,19 @@ def _completions() -> dict[tuple[str, str], Json]:
         ("/v1/chat/completions", "post"): _operation(
             "createChatCompletion", "A chat completion, run as a job (streamed with "
             "`stream: true`).", _answer("ChatCompletion"),
-            (400, 401, 403, 404, 413, 429, 503), body=_json_body("ChatCompletionRequest")),
+            (400, 401, 403, 404, 413, 429, 503),
+            body=_json_body("ChatCompletionRequest", EXAMPLE_CHAT)),
         ("/v1/completions", "post"): _operation(
             "createCompletion", "A text completion of one prompt, run as a job.",
             _answer("TextCompletion"), (400, 401, 403, 404, 413, 429, 503),
-            body=_json_body("CompletionRequest")),
+            body=_json_body("CompletionRequest", EXAMPLE_COMPLETION)),
         ("/v1/models", "get"): _operation(
-            "listModels", "What `model` may name: the served model, and each lane.",
+            "listModels", "What `model` may name: the served model, each lane, and each "
+            "LoRA adapter the workers serve (`parent`: the base model).",
             {"200": json_response("The models.", "ModelList")}, (400, 401, 429, 503)),
+        ("/v1/models/{model}", "get"): _operation(
+            "retrieveModel", "One model of GET /v1/models.",
+            {"200": json_response("The model.", "Model")}, (400, 401, 404, 429, 503)),
     }
 
 
@@ -278,6 +307,11 @@ def _files() -> dict[tuple[str, str], Json]:
         "encoding": {"file": {"contentType": "application/jsonl"}},
         "example": {"purpose": "batch", "file": EXAMPLE_LINE}}}}
     return {
+        ("/v1/files", "get"): _operation(
+            "listFiles", "The tenant's files, newest first (`order`), a page at a time.",
+            {"200": json_response("A page of files.", "FileList")}, (400, 401, 429, 503),
+            parameters=[{"name": name, "in": "query", "required": False}
+                        for name in ("after", "limit", "order", "purpose")]),
         ("/v1/files", "post"): _operation(
             "createFile", "Upload a batch input file (JSONL), within the tenant's quotas.",
             {"200": json_response("The file.", "File", file_links)},
@@ -326,8 +360,11 @@ def _answer(schema: str) -> Json:
     return {"200": whole}
 
 
-def _json_body(schema: str) -> Json:
-    return {"required": True, "content": {"application/json": {"schema": ref(schema)}}}
+def _json_body(schema: str, example: Json | None = None) -> Json:
+    body: Json = {"schema": ref(schema)}
+    if example is not None:
+        body["example"] = example
+    return {"required": True, "content": {"application/json": body}}
 
 
 def _operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],

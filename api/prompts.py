@@ -68,10 +68,13 @@ class PromptRenderer:
     def render(self, req: JobRequest) -> str:
         if req.prompt is not None:
             return req.prompt
-        messages = [m.model_dump() for m in req.messages or []]
+        messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
         if getattr(self.tokenizer, "chat_template", None):
+            # The template renders the tools (OpenAI's shape, as vLLM's server passes them).
+            tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} \
+                if req.tools else {}
             return str(self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True))
+                messages, tokenize=False, add_generation_prompt=True, **tools))
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
 
     def render_prefix(self, system: list[Any]) -> str:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from api.errors import ApiError, malformed
+from api.openai_tools import ResponseFormat, Tool, ToolChoice
 
 # NUL, and any surrogate: json.loads joins a valid pair into one character, so what is
 # left in a str is a lone one.
@@ -23,11 +24,32 @@ UNSAFE_TEXT = re.compile("[\x00\ud800-\udfff]")
 MAX_DEPTH = 16  # a job body is 4 levels deep; deeper is refused before it is walked
 
 
+MAX_N = 16  # choices one request may ask (`n`): each is a sequence in the engine's batch
+MAX_LOGPROBS = 20  # alternatives per token: vLLM's default max_logprobs, OpenAI's limit
+
+
 class Message(BaseModel):
+    """A turn. An assistant turn may hold tool calls and no text (content null); a `tool`
+    turn answers one of them by its id. The chat template renders both
+    (api/prompts.py)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(min_length=1)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = Field(None, min_length=1)
+    # OpenAI's shape: [{"id", "type": "function", "function": {"name", "arguments"}}].
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)  # role tool
+    name: str | None = Field(None, min_length=1, max_length=64)
+
+    @model_validator(mode="after")
+    def _has_content(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only in an assistant turn with "
+                             "tool_calls)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool turn needs the tool_call_id it answers")
+        return self
 
 
 class JobRequest(BaseModel):
@@ -51,6 +73,22 @@ class JobRequest(BaseModel):
     callback_url: str | None = Field(None, min_length=1, max_length=2048)
     # Strings that end the output (left out of it), as OpenAI's `stop`.
     stop: list[str] = Field(default_factory=list, max_length=4)
+    # Structured output and tool calling, in OpenAI's shapes (api/openai_tools.py).
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # Sampling as vLLM's SamplingParams takes it; None: the engine's neutral default. A
+    # field whose engine capability no worker of the lane has is a 400 naming it
+    # (tidegate/capabilities.py, api/submit.py `needs`).
+    n: int = Field(1, ge=1, le=MAX_N)  # choices, sampled in one engine request
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)  # vLLM's; 1 is neutral
+    top_k: int | None = Field(None, ge=-1)  # vLLM's; 0 and -1 mean every token
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM's
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, -100..100
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
 
     @field_validator("stop")
     @classmethod
@@ -59,11 +97,22 @@ class JobRequest(BaseModel):
             raise ValueError("each stop string holds 1 to 256 characters")
         return v
 
-    @field_validator("temperature", "top_p", "deadline_s")
+    @field_validator("temperature", "top_p", "deadline_s", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_p")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):
             raise ValueError("must be a finite number")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _biases(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isascii() or not token.isdigit():
+                raise ValueError(f"keys are token ids (decimal strings), not {token[:32]!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"token {token}: the bias must lie in -100..100")
         return v
 
     @model_validator(mode="after")

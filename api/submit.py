@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Celery
 
-from api import limits
+from api import limits, openai_tools
 from api.errors import ApiError, bad_request, malformed, unavailable
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
@@ -40,6 +40,7 @@ from store import JobRecord, SessionRecord, Store
 from tasks import webhooks
 from tasks.app import push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
+from tidegate import capabilities as cap
 from tidegate import hot, keys, tracing
 from tidegate.lanes import Lane, pool_queue, redis_priority
 from tidegate.settings import Settings
@@ -106,6 +107,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
 def check(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
           header_key: str | None) -> Checked:
     lane = _check_lane(deps, tenant, req)
+    openai_tools.check(req.response_format, req.tools, req.tool_choice, lane.tool_parser)
     priority = _check_priority(tenant, lane, req.priority)
     _check_callback(deps, req)
     prompt = deps.prompts.render(req)
@@ -218,7 +220,8 @@ def route(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> router
         return router.route(lane, deps.fleet(), backlog,
                             lambda name: keys.direct_queue(deps.settings.namespace, name),
                             lora=req.lora,
-                            session_worker=affinity.last_worker if affinity else None)
+                            session_worker=affinity.last_worker if affinity else None,
+                            needs=needs(req))
     except router.NoRoute as exc:
         if exc.field is not None:
             raise bad_request(exc.field, str(exc)) from None
@@ -259,6 +262,9 @@ def _payload(deps: SubmitDeps, checked: Checked, job_id: str, system: str) -> Ge
         deadline_at=time.time() + (req.deadline_s or checked.lane.deadline_s), lora=req.lora,
         shared_prefix_tokens=deps.prompts.count_prefix(system),
         cache_salt=checked.lane.cache_salt(checked.tenant.id),
+        guided=openai_tools.guided(req.response_format, req.tools, req.tool_choice,
+                                   req.parallel_tool_calls),
+        tool_parse=openai_tools.tool_parse(req.tools, req.tool_choice, checked.lane.tool_parser),
         trace_context=tracing.carrier())
 
 
@@ -330,8 +336,22 @@ def _system_prefix(deps: SubmitDeps, req: JobRequest) -> str:
 
 
 def _sampling(req: JobRequest) -> Sampling:
+    bias = tuple(sorted((int(token), bias) for token, bias in (req.logit_bias or {}).items()))
     return Sampling(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                    seed=req.seed, stop=tuple(req.stop))
+                    seed=req.seed, stop=tuple(req.stop), n=req.n,
+                    presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    repetition_penalty=req.repetition_penalty, top_k=req.top_k,
+                    min_p=req.min_p, logit_bias=bias, logprobs=req.logprobs)
+
+
+def needs(req: JobRequest) -> dict[str, str]:
+    """The engine capabilities the job needs (tidegate/capabilities.py), each to the request
+    field that needs it: the router refuses the job, naming that field, on a lane where no
+    active worker has the capability. Fields at their neutral values need nothing."""
+    out = cap.needs(req)
+    out.update(openai_tools.needs(req.response_format, req.tools, req.tool_choice))
+    return out
 
 
 def _accepted(job: JobRecord, created: bool) -> JobAccepted:

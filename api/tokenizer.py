@@ -50,12 +50,13 @@ class FastTokenizer:
         return ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+                            add_generation_prompt: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if tokenize:
             raise ValueError("FastTokenizer renders text only (tokenize=False)")
         if self._template is None:
             self._template = _compile(self.chat_template or "")
-        return str(self._template.render(messages=messages, tools=None, documents=None,
+        return str(self._template.render(messages=messages, tools=tools, documents=None,
                                          add_generation_prompt=add_generation_prompt,
                                          **self._special))
 

@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -897,43 +898,127 @@ async def hostile_uploads(http: aiohttp.ClientSession, spec: dict[str, Any],
         h.uploads.append(await one_upload(http, spec))
 
 
-async def flood_one(http: aiohttp.ClientSession, base: str, n: int, h: Hostile) -> None:
-    # Half carry no key, half a made-up one of the right shape: a cache of known-bad
-    # keys sees each only once.
-    headers = {} if n % 2 else auth("tg_" + secrets.token_urlsafe(32))
-    started = time.perf_counter()
-    try:
-        body = job_body(HOSTILE_LANE, n, 16)
-        async with http.post(f"{base}/v1/jobs", json=body, headers=headers) as resp:
-            await resp.read()
-            tally(h.flood_status, resp.status)
-            h.flood_ms.append((time.perf_counter() - started) * 1000)
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        tally(h.flood_status, type(exc).__name__)
+class FloodConn(asyncio.Protocol):
+    """One keep-alive connection of the flood: a request written as bytes, its response
+    read as far as its status and length. Why not aiohttp: the flood's client spent 0.3-0.4
+    of a core of the 2 the stack runs on (an attacker spends it on a machine of its own);
+    this one spends a tenth of that, so the cores measured are the stack's."""
+
+    def __init__(self, flood: Flood) -> None:
+        self.flood, self.buf = flood, bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.started = 0.0  # the request in flight's send time; 0: idle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def send(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.started = time.perf_counter()
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while self.started:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            length = _content_length(bytes(self.buf[:end]))
+            if len(self.buf) < end + 4 + length:
+                return
+            status = int(self.buf[9:12])
+            del self.buf[:end + 4 + length]
+            self.flood.answered(self, status, time.perf_counter() - self.started)
+            self.started = 0.0
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.flood.lost(self)
+
+
+def _content_length(head: bytes) -> int:
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+class Flood:
+    """`flood_rate` unauthenticated submits a second on keep-alive connections, each sent
+    at its time on a fixed schedule; at most FLOOD_MAX_PENDING in flight (a send that finds
+    them all busy is skipped and counted)."""
+
+    def __init__(self, base: str, h: Hostile) -> None:
+        url = urlparse(base)
+        self.host, self.port, self.h = url.hostname or "127.0.0.1", url.port or 80, h
+        self.idle: list[FloodConn] = []
+        self.connecting: set[asyncio.Task[None]] = set()
+        self.busy = 0  # requests in flight, connecting ones included
+        body = json.dumps(job_body(HOSTILE_LANE, 0, 16)).encode()
+        self.head = (f"POST /v1/jobs HTTP/1.1\r\nhost: {self.host}:{self.port}\r\n"
+                     f"content-type: application/json\r\ncontent-length: {len(body)}\r\n")
+        self.body = body
+
+    def request(self, n: int) -> bytes:
+        # Half carry no key, half a made-up one of the right shape: a cache of known-bad
+        # keys sees each only once.
+        key = "" if n % 2 else f"authorization: Bearer tg_{secrets.token_urlsafe(32)}\r\n"
+        return f"{self.head}{key}\r\n".encode() + self.body
+
+    def send(self, n: int) -> None:
+        if self.busy >= FLOOD_MAX_PENDING:
+            self.h.flood_skipped += 1
+            return
+        self.h.flood_sent += 1
+        self.busy += 1
+        if self.idle:
+            self.idle.pop().send(self.request(n))
+            return
+        task = asyncio.create_task(self._connect_and_send(n))  # the schedule goes on meanwhile
+        self.connecting.add(task)
+        task.add_done_callback(self.connecting.discard)
+
+    async def _connect_and_send(self, n: int) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_connection(lambda: FloodConn(self), self.host, self.port)
+        except OSError as exc:
+            self.busy -= 1
+            tally(self.h.flood_status, type(exc).__name__)
+            return
+        conn.send(self.request(n))
+
+    def answered(self, conn: FloodConn, status: int, seconds: float) -> None:
+        self.busy -= 1
+        tally(self.h.flood_status, status)
+        self.h.flood_ms.append(seconds * 1000)
+        self.idle.append(conn)
+
+    def lost(self, conn: FloodConn) -> None:
+        if conn.started:  # its request got no answer
+            self.busy -= 1
+            tally(self.h.flood_status, "ClientOSError")
+        if conn in self.idle:
+            self.idle.remove(conn)
 
 
 async def hostile_flood(spec: dict[str, Any], h: Hostile) -> None:
-    """`flood_rate` unauthenticated submits a second, each sent at its time on a fixed
-    schedule until the end; never more than FLOOD_MAX_PENDING waiting (a send that finds
-    them all waiting is skipped and counted)."""
     rate = float(spec["flood_rate"])
     if rate <= 0:
         return
-    pending: set[asyncio.Task[None]] = set()
+    flood = Flood(spec["base"], h)
     start = time.time()
-    total = int((spec["end_at"] - start) * rate)
-    async with new_http(FLOOD_MAX_PENDING, FLOOD_TIMEOUT_S) as http:
-        for n in range(total):
-            await sleep_until(start + n / rate)
-            if len(pending) >= FLOOD_MAX_PENDING:
-                h.flood_skipped += 1
-                continue
-            h.flood_sent += 1
-            task = asyncio.create_task(flood_one(http, spec["base"], n, h))
-            pending.add(task)
-            task.add_done_callback(pending.discard)
-        if pending:
-            await asyncio.wait(pending, timeout=FLOOD_TIMEOUT_S + 1)
+    for n in range(int((spec["end_at"] - start) * rate)):
+        await sleep_until(start + n / rate)
+        flood.send(n)
+    deadline = time.time() + FLOOD_TIMEOUT_S
+    while flood.busy and time.time() < deadline:
+        await asyncio.sleep(0.1)
+    for conn in flood.idle:
+        if conn.transport is not None:
+            conn.transport.close()
 
 
 async def hostile_main(spec: dict[str, Any]) -> Hostile:

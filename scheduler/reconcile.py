@@ -74,7 +74,7 @@ from tasks.recovery import (
     target_queue,
     task_id,
 )
-from tidegate import keys
+from tidegate import capabilities, keys
 from tidegate.events import Event, Kind
 from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue, redis_priority
@@ -294,16 +294,18 @@ def _decide(run: Pass, job: JobRecord) -> dict[str, Any] | None:
 
 
 def _send_again(run: Pass, job: JobRecord, body: GeneratePayload) -> dict[str, Any]:
-    queue, why = _route(run, job)
+    needs = {**capabilities.needs(body.sampling),
+             **capabilities.output_needs(body.guided, body.tool_parse)}
+    queue, why = _route(run, job, needs)
     send_generate(run.app, body, queue, redis_priority(job.priority))
     run.store.note_requeue(job.id, queue, f"sent again by the reconciler (no message, no "
                            f"lease): {why}")
     return {"action": "requeue", "job_id": job.id, "status": job.status, "queue": queue}
 
 
-def _route(run: Pass, job: JobRecord) -> tuple[str, str]:
-    """The router's queue for the job now; with no worker to take it, the lane's pool
-    queue, where it waits for the next one."""
+def _route(run: Pass, job: JobRecord, needs: dict[str, str]) -> tuple[str, str]:
+    """The router's queue for the job now (among the workers able to run it: `needs`);
+    with no worker to take it, the lane's pool queue, where it waits for the next one."""
     lane = run.settings.lanes[job.lane]
     views = [router.WorkerView.from_heartbeat(hb) for hb in run.fleet]
     backlog = queue_lengths(run.client, [pool_queue(lane, pool) for pool in lane.pools])
@@ -311,7 +313,7 @@ def _route(run: Pass, job: JobRecord) -> tuple[str, str]:
     sticky = session.last_worker if session and run.settings.session_affinity else None
     try:
         route = router.route(lane, views, backlog, lambda n: keys.direct_queue(run.ns, n),
-                             lora=job.lora, session_worker=sticky)
+                             lora=job.lora, session_worker=sticky, needs=needs)
         return route.queue, route.reason
     except router.NoRoute as exc:
         queue = live_queue(run.settings, run.fleet, job.lane) or pool_queue(lane, lane.pools[-1])

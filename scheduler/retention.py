@@ -1,5 +1,5 @@
-"""The retention purge: what tidegate keeps, and for how long (README, "What is kept, and
-for how long"). The scheduler's beat runs it every TIDEGATE_RETENTION_PURGE_S, one
+"""The retention purge: what tidegate keeps, and for how long (docs/operations.md, "What
+is kept, and for how long"). The scheduler's beat runs it every TIDEGATE_RETENTION_PURGE_S, one
 scheduler at a time (a period lock, as the tick's).
 
 - A job's output text (and its prompt, already cleared when the job ends) goes

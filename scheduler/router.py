@@ -1,6 +1,10 @@
 """The router: which queue a job goes to, and why.
 
 For each job, in order:
+0. A job that needs an engine capability (tidegate/capabilities.py: n, logprobs,
+   structured output...) is routed among the lane's healthy workers that have it; when
+   the lane has healthy workers and none has it, the job is refused naming the request's
+   field (a 400: no worker of the lane will ever run it), not queued to fail later.
 1. A LoRA job goes to the direct queue of the least busy healthy worker that has the
    adapter (a pool queue would let a worker without it take the job).
 2. A session goes to its last worker's direct queue while that worker is healthy and not
@@ -39,6 +43,10 @@ class WorkerView:
     waiting: int = 0
     lora: frozenset[str] = frozenset()
     mean_job_ms: float | None = None  # recent mean service time of a job
+    capabilities: frozenset[str] | None = None  # its engine's; None: unknown (assumed able)
+
+    def can(self, capability: str) -> bool:
+        return self.capabilities is None or capability in self.capabilities
 
     @property
     def busy(self) -> int:
@@ -53,7 +61,8 @@ class WorkerView:
         running, waiting = (hb.stats.running, hb.stats.waiting) if hb.stats else (0, 0)
         return cls(name=hb.name, pool=hb.pool, lanes=frozenset(hb.lanes), state=hb.state,
                    slots=hb.slots, running=running, waiting=waiting, lora=frozenset(hb.lora),
-                   mean_job_ms=hb.mean_job_ms)
+                   mean_job_ms=hb.mean_job_ms,
+                   capabilities=None if hb.capabilities is None else frozenset(hb.capabilities))
 
 
 @dataclass(frozen=True)
@@ -73,9 +82,11 @@ class NoRoute(Exception):
 
 def route(lane: Lane, fleet: Sequence[WorkerView], backlog: Mapping[str, int],
           direct_queue: Callable[[str], str], *, lora: str | None = None,
-          session_worker: str | None = None) -> Route:
-    """`backlog` maps a queue name to the messages waiting in it."""
+          session_worker: str | None = None, needs: Mapping[str, str] | None = None) -> Route:
+    """`backlog` maps a queue name to the messages waiting in it; `needs` the capabilities
+    the job needs, each to the request field that needs it."""
     healthy = [w for w in fleet if w.state == WorkerState.ACTIVE and lane.name in w.lanes]
+    healthy = _able(lane, healthy, needs or {})
     if lora is not None:
         return _route_lora(lane, healthy, lora, direct_queue)
     sticky = next((w for w in healthy if w.name == session_worker), None)
@@ -84,6 +95,20 @@ def route(lane: Lane, fleet: Sequence[WorkerView], backlog: Mapping[str, int],
                      "session's prefix", worker=sticky.name)
     notes = [f"session's worker {session_worker} unavailable"] if session_worker else []
     return _route_pools(lane, healthy, backlog, notes)
+
+
+def _able(lane: Lane, healthy: list[WorkerView], needs: Mapping[str, str]) -> list[WorkerView]:
+    """The healthy workers that have every capability the job needs. None left while some
+    were healthy: refused, naming the field of the first capability none of them has."""
+    able = [w for w in healthy if all(w.can(c) for c in needs)]
+    if able or not healthy:  # no healthy worker at all: the usual 503 below
+        return able
+    for capability, field in needs.items():
+        if not any(w.can(capability) for w in healthy):
+            raise NoRoute(f"{field}: no active worker of lane {lane.name!r} can do this (its "
+                          f"engines lack the {capability!r} capability)", field=field)
+    raise NoRoute(f"{', '.join(needs.values())}: no active worker of lane {lane.name!r} "
+                  "can do all of these at once", field=next(iter(needs.values())))
 
 
 def _route_lora(lane: Lane, healthy: Sequence[WorkerView], lora: str,

@@ -18,11 +18,13 @@ from typing import Any
 from sqlalchemy import delete, func, insert, select, update
 
 from store.db import Store, utcnow
-from store.models import Batch, File, FilePart, Job, Tenant
+from store.models import Batch, File, FilePart, Job, Tenant, WebhookDelivery
 from store.records import JobRecord, TenantRecord, job_record, tenant_record
 
 OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 ENDED_STATUSES = ("completed", "failed", "expired", "cancelled")
+# A batch's end, as the event its tenant's webhook is sent (OpenAI's names).
+BATCH_EVENTS = {status: f"batch.{status}" for status in ENDED_STATUSES}
 # Every file id this store hands out; anything else is no file, answered without a query
 # (PostgreSQL refuses a NUL in a string parameter with an error, not an empty result).
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
@@ -87,6 +89,8 @@ class BatchRecord:
     cancelling_at: datetime | None
     cancelled_at: datetime | None
     output_expires_after_s: int | None = None  # its output files' lifetime (api/files.py)
+    model: str | None = None  # the model its lines named (the first line submitted)
+    usage: dict[str, Any] | None = None  # its completed lines' tokens (OpenAI's `usage`)
 
 
 _FILE_FIELDS = [f.name for f in fields(FileRecord)]
@@ -203,6 +207,28 @@ class Batches:
             session.execute(delete(File).where(File.id == file_id))
             return Deletion(found=True)
 
+    def list_files(self, tenant_id: int, purpose: str | None, after: str | None, limit: int,
+                   newest_first: bool = True) -> list[FileRecord] | None:
+        """A page of the tenant's files (OpenAI's order: by creation); `after`: the last id
+        of the page before. None when `after` is not one of the tenant's files."""
+        stmt = select(File).where(File.tenant_id == tenant_id)
+        if purpose is not None:
+            stmt = stmt.where(File.purpose == purpose)
+        with self.store._read() as session:
+            if after is not None:
+                mark = session.get(File, after) if FILE_ID.fullmatch(after) else None
+                if mark is None or mark.tenant_id != tenant_id:  # never another's place
+                    return None
+                if newest_first:
+                    stmt = stmt.where((File.created_at < mark.created_at)
+                                      | ((File.created_at == mark.created_at) & (File.id < after)))
+                else:
+                    stmt = stmt.where((File.created_at > mark.created_at)
+                                      | ((File.created_at == mark.created_at) & (File.id > after)))
+            order = ((File.created_at.desc(), File.id.desc()) if newest_first
+                     else (File.created_at, File.id))
+            return [_file(row) for row in session.scalars(stmt.order_by(*order).limit(limit))]
+
     def open_batch_count(self, tenant_id: int) -> int:
         """The tenant's batches not ended (TIDEGATE_TENANT_MAX_OPEN_BATCHES bounds them)."""
         with self.store._read() as session:
@@ -263,6 +289,30 @@ class Batches:
                 return None
             row = session.get(Batch, batch_id)
             return _batch(row) if row is not None else None
+
+    def end_batch(self, batch_id: str, status: str, **values: Any) -> BatchRecord | None:
+        """The batch's end (`status`, one of ENDED_STATUSES), written once: its webhook
+        (`batch.<status>`, to the tenant's webhook URL, if it has one) goes into the outbox
+        in the same transaction, so an ended batch's webhook is never lost nor sent twice
+        (tasks/webhooks.py sends it). None when the batch had ended already."""
+        now = utcnow()
+        with self.store._write() as session:
+            done = session.execute(update(Batch).where(Batch.id == batch_id,
+                                                       Batch.status.in_(OPEN_STATUSES))
+                                   .values(status=status, **values))
+            if done.rowcount == 0:  # type: ignore[attr-defined]
+                return None
+            row = session.get(Batch, batch_id)
+            assert row is not None
+            url = session.scalar(select(Tenant.webhook_url).where(  # none to a revoked one
+                Tenant.id == row.tenant_id, Tenant.revoked_at.is_(None)))
+            if url:
+                session.add(WebhookDelivery(
+                    id=f"msg_{secrets.token_hex(12)}", job_id=None, event=BATCH_EVENTS[status],
+                    batch_id=batch_id, tenant_id=row.tenant_id, url=url, status="pending",
+                    attempts=0, next_attempt_at=now, created_at=now))
+            session.flush()
+            return _batch(row)
 
     def line_jobs(self, tenant_id: int, batch_id: str, lines: int) -> dict[int, JobRecord]:
         """The jobs of the batch's first `lines` lines, by line number."""

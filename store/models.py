@@ -260,6 +260,10 @@ class Batch(Base):
     # The batch's output and error files expire this long after they are written
     # (`output_expires_after.seconds`, else TIDEGATE_BATCH_OUTPUT_RETENTION_DAYS).
     output_expires_after_s: Mapped[int | None] = mapped_column(Integer)
+    # The model its lines named (the first line submitted), and the tokens of its
+    # completed lines (OpenAI's batch `usage`), kept as the driver goes (migration 0015).
+    model: Mapped[str | None] = mapped_column(String(256))
+    usage: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
 
 
 class WebhookSecret(Base):
@@ -277,17 +281,21 @@ class WebhookSecret(Base):
 
 
 class WebhookDelivery(Base):
-    """One job's end to deliver to one URL: written in the transaction that ends the job
-    (an outbox), sent by the scheduler's dispatcher to the webhook workers, retried with
-    backoff until delivered or a day has passed. Its id is the `webhook-id` header: a
+    """One job's end (or a batch's) to deliver to one URL: written in the transaction that
+    ends the job (an outbox), sent by the scheduler's dispatcher to the webhook workers,
+    retried with backoff until delivered or a day has passed. Its id is the `webhook-id` header: a
     receiver dedupes on it."""
 
     __tablename__ = "webhook_deliveries"
     __table_args__ = (Index(None, "status", "next_attempt_at"),)
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    job_id: Mapped[str] = mapped_column(String(36), index=True)
+    job_id: Mapped[str | None] = mapped_column(String(36), index=True)  # None: a batch's
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    # What it tells: None is a job's end (`job.ended`); else a batch's end,
+    # `batch.completed` and the like, about `batch_id` (migration 0015).
+    event: Mapped[str | None] = mapped_column(String(32))
+    batch_id: Mapped[str | None] = mapped_column(String(64))
     url: Mapped[str] = mapped_column(String(2048))
     status: Mapped[str] = mapped_column(String(16))  # pending, sending, delivered, failed
     attempts: Mapped[int] = mapped_column(Integer, default=0)

@@ -45,8 +45,11 @@ class Retention:
         # The partial index ix_jobs_text_kept holds exactly the jobs with text.
         stmt = (select(Job.id)
                 .where(Job.output_text.is_not(None), Job.finished_at <= cutoff,
+                       # job_id IS NOT NULL: a batch's delivery has none, and one NULL
+                       # in a NOT IN list makes it match no row at all.
                        Job.id.not_in(select(WebhookDelivery.job_id).where(
-                           WebhookDelivery.status.in_((PENDING, SENDING)))))
+                           WebhookDelivery.status.in_((PENDING, SENDING)),
+                           WebhookDelivery.job_id.is_not(None))))
                 .order_by(Job.finished_at).limit(BATCH))
         for tenant_id, batch_id in self._open_batches():
             stmt = stmt.where(_not_of_batch(tenant_id, batch_id))

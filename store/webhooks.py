@@ -75,7 +75,7 @@ class AttemptRecord:
 @dataclass(frozen=True)
 class DeliveryRecord:
     id: str  # the `webhook-id` header
-    job_id: str
+    job_id: str | None  # None: a batch's event
     tenant_id: int
     url: str
     status: str
@@ -85,6 +85,8 @@ class DeliveryRecord:
     delivered_at: datetime | None
     last_error: str | None
     log: list[AttemptRecord] = field(default_factory=list)
+    event: str | None = None  # None: `job.ended`; else a batch's (`batch.completed`, ...)
+    batch_id: str | None = None
 
 
 def _delivery(row: WebhookDelivery, log: list[AttemptRecord] | None = None) -> DeliveryRecord:
@@ -92,7 +94,7 @@ def _delivery(row: WebhookDelivery, log: list[AttemptRecord] | None = None) -> D
                           status=row.status, attempts=row.attempts,
                           next_attempt_at=row.next_attempt_at, created_at=row.created_at,
                           delivered_at=row.delivered_at, last_error=row.last_error,
-                          log=log or [])
+                          log=log or [], event=row.event, batch_id=row.batch_id)
 
 
 def _live(tenant_id: int, now: datetime) -> tuple[ColumnElement[bool], ...]:

@@ -15,6 +15,15 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None  # fixed seed: a redelivered job resumes the same way
     stop: tuple[str, ...] = ()  # strings that end the output (not included in it)
+    # As vLLM's SamplingParams (workers/engine.py EngineRequest); None: the engine's default.
+    n: int = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # alternatives per token; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,11 @@ class GeneratePayload:
     # the worker's job span continues the API's trace. Kept with the stored payload, so a
     # job sent again by the reconciler stays in its trace. Empty: the API was not tracing.
     trace_context: dict[str, str] = field(default_factory=dict)
+    # Structured output the engine enforces (vLLM's StructuredOutputsParams fields:
+    # {"json": schema} or {"json_object": True}); None: free text (api/openai_tools.py).
+    guided: dict[str, Any] | None = None
+    # `auto` tool calls, found in the text by the lane's parser: {"parser", "tools"}.
+    tool_parse: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # forward-compatible knobs
 
     @property
@@ -61,6 +75,7 @@ class GeneratePayload:
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
         body["sampling"]["stop"] = list(self.sampling.stop)  # as JSON gives it back
+        body["sampling"]["logit_bias"] = [list(pair) for pair in self.sampling.logit_bias]
         return body
 
     @classmethod
@@ -68,5 +83,7 @@ class GeneratePayload:
         body = dict(body)
         sampling = dict(body["sampling"])
         sampling["stop"] = tuple(sampling.get("stop") or ())  # a JSON list
+        sampling["logit_bias"] = tuple((int(token), float(bias))
+                                       for token, bias in sampling.get("logit_bias") or ())
         body["sampling"] = Sampling(**sampling)
         return cls(**body)

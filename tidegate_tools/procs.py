@@ -104,7 +104,9 @@ def redis_server_binary() -> str:
 def start_redis(port: int, log_dir: Path, replica_of: int | None = None) -> Proc:
     """A Redis on 127.0.0.1:`port`, no persistence; a replica of the one on `replica_of`."""
     # --dir: a replica's full sync writes dump.rdb there, and a start loads one found there.
+    # --databases 32: the test modules that need a database of their own each have one.
     argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--databases", "32",
             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(log_dir)]
     if replica_of is not None:
         argv += ["--replicaof", "127.0.0.1", str(replica_of)]
@@ -186,3 +188,14 @@ def start_scheduler(env: dict[str, str], log_dir: Path, name: str = "scheduler")
 def start_batches(env: dict[str, str], log_dir: Path, name: str = "batches") -> Proc:
     """`tidegate batches`: the Batch API's driver (api/batch_driver.py)."""
     return Proc(name, tidegate_argv("batches"), log_dir / f"{name}.log", env)
+
+
+def start_webhooks(env: dict[str, str], log_dir: Path, name: str = "webhooks") -> Proc:
+    """`tidegate webhooks`: the webhook deliveries and their dispatcher (tasks/webhooks.py)."""
+    return Proc(name, tidegate_argv("webhooks"), log_dir / f"{name}.log", env)
+
+
+def start_flower(env: dict[str, str], port: int, log_dir: Path) -> Proc:
+    """`tidegate flower` on `port`, behind the basic auth of `env`'s TIDEGATE_FLOWER_*."""
+    return Proc(f"flower:{port}", tidegate_argv("flower", "--port", str(port)),
+                log_dir / f"flower-{port}.log", env)

@@ -31,7 +31,7 @@ def _print_workers(fleet: list[Heartbeat]) -> None:
         return
     head = (f"{'worker':32} {'state':8} {'lanes':8} {'pool':9} {'engine':7} {'kv dtype':8} "
             f"{'kv tokens':>9} {'slots':>5} {'run':>4} {'wait':>4} {'kv use':>6} {'hit':>6} "
-            f"{'alloc ms':>8} {'evict':>7} {'policy':7} lora")
+            f"{'alloc ms':>8} {'evict':>7} {'policy':7} {'metrics':>7} lora")
     print(head)
     for w in fleet:
         print(_row(w))
@@ -45,7 +45,13 @@ def _row(w: Heartbeat) -> str:
             f"{s.kv_capacity_tokens:>9} {w.slots:>5} {s.running:>4} {s.waiting:>4} "
             f"{s.kv_usage:>6.1%} {s.prefix_hit_rate:>6.1%} "
             f"{_ms(s.avg_cache_allocation_latency_ms):>8} {s.kv_evictions:>7} "
-            f"{s.kv_policy or '-':7} {','.join(w.lora) or '-'}")
+            f"{s.kv_policy or '-':7} {_port(w.metrics_port):>7} {','.join(w.lora) or '-'}")
+
+
+def _port(port: int) -> str:
+    """Where the worker serves /metrics, on its host: chosen at its start where the
+    configured port was taken (workers/metrics.py)."""
+    return f":{port}" if port else "-"
 
 
 def _ms(value: Any) -> str:

@@ -23,6 +23,7 @@ from opentelemetry.trace import SpanKind
 
 from tasks.payloads import GENERATE
 from tidegate import logs, tracing
+from tidegate.lanes import Lane, hosted_lanes
 from tidegate.records import RESTART_EXIT
 from tidegate.settings import get_settings
 from workers import metrics as worker_metrics
@@ -112,6 +113,12 @@ def generate(task: Any, body: dict[str, Any]) -> str:
     return outcome
 
 
+def _tool_parsers(lanes: dict[str, Lane], lane: str) -> tuple[str, ...]:
+    """The tool parsers of the lane and of every lane that runs on its workers."""
+    names = (lanes[name].tool_parser for name in hosted_lanes(lanes, lane))
+    return tuple(sorted({name for name in names if name is not None}))
+
+
 def make_engine(lane: str, kind: str) -> Engine:
     settings = get_settings()
     profile = settings.lanes[lane]
@@ -124,6 +131,7 @@ def make_engine(lane: str, kind: str) -> Engine:
         kv_cache_blocks=settings.kv_cache_blocks or None,
         kv_block_size=settings.kv_block_size or None,
         cuda_graphs=profile.cuda_graphs,
+        tool_parsers=_tool_parsers(settings.lanes, lane),
     )
     if kind == "trtllm":
         from workers.trtllm_engine import TrtllmEngine
@@ -156,15 +164,13 @@ class EngineStep(bootsteps.StartStopStep):
     def start(self, worker: Any) -> None:
         share_result_backend(worker.app)
         me = Worker(get_settings(), worker.hostname, self.lane, self.pool, worker)
+        me.metrics_port = self.metrics_port  # announced in its heartbeat from the first beat
         set_current(me)
         me.load(make_engine(self.lane, self.engine))
         # After the engine's load, so its engine-core process starts without the exporter.
         tracing.setup_tracing(get_settings(), "tidegate-worker")
-        if self.metrics_port:  # after the load too: the engine core inherits no socket
-            try:
-                worker_metrics.serve(get_settings().metrics_host, self.metrics_port, lambda: me)
-            except SystemExit as exc:  # taken since the check at start: stop the worker
-                raise RuntimeError(str(exc)) from None
+        if self.metrics_port:  # on the socket bound before the load (workers/metrics.py)
+            worker_metrics.serve(get_settings().metrics_host, self.metrics_port, lambda: me)
 
     def stop(self, worker: Any) -> None:
         current().stop()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from tidegate.lanes import KvPolicy
 from tidegate.records import EngineStats  # crosses processes in the heartbeat
@@ -26,6 +26,8 @@ class EngineConfig:
     kv_cache_blocks: int | None = None  # fixed KV cache size in blocks; None: from memory
     kv_block_size: int | None = None  # tokens per KV block; None: the engine's default
     cuda_graphs: bool = True  # the lane's: capture CUDA graphs on a GPU (never on a CPU)
+    # The tool parsers its lanes name (Lane.tool_parser): checked when the engine starts.
+    tool_parsers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,45 @@ class EngineRequest:
     # Requests share prefix-cache blocks only with requests of the same salt (a tenant's);
     # None: with every unsalted request (tidegate.lanes.Lane.share_prefix_cache).
     cache_salt: str | None = None
+    # Sampling beyond the above, as vLLM's SamplingParams names it. None: the engine's
+    # neutral default. An engine without the capability (`capabilities`) never gets them:
+    # admission refuses such a request (tidegate/capabilities.py).
+    n: int = 1  # choices sampled from the one prompt
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    logprobs: int | None = None  # alternatives per token (0: the sampled token's alone)
+    # Structured output (capability structured_output): vLLM's StructuredOutputsParams
+    # fields, {"json": schema} or {"json_object": True} (api/openai_tools.py).
+    guided: dict[str, Any] | None = None
+    # `auto` tool calls (capability tools): {"parser": a vLLM tool parser's name, "tools"}.
+    tool_parse: dict[str, Any] | None = None
+
+
+# One output token's log-probability, as the events carry it (JSON):
+# [token text, logprob, [[alternative text, logprob], ...] best first].
+TokenLogprob = list[Any]
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """New output of one engine step for one choice of a request with n > 1."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # set once this choice has ended
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
 class Delta:
-    """New output of one engine step for one request."""
+    """New output of one engine step for one request. `text` and `token_ids` are choice
+    0's (what the job's row keeps and a resumed attempt continues); with n > 1, `choices`
+    holds every choice's new output, choice 0's included."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -62,6 +98,38 @@ class Delta:
     finish_reason: str | None = None  # stop | length | abort | error
     prompt_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    logprobs: tuple[TokenLogprob, ...] | None = None  # choice 0's, when asked
+    choices: tuple[ChoiceDelta, ...] = ()  # n > 1 only
+    # OpenAI's streamed tool-call deltas the parser found in this step's text (`auto`
+    # tool choice); the text then holds only what is not a call.
+    tool_calls: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        """No new output in any choice."""
+        return not self.token_ids and not self.text and not any(
+            c.token_ids or c.text for c in self.choices)
+
+    @property
+    def other_tokens(self) -> int:
+        """New tokens of the choices after the first (n > 1): usage counts every choice."""
+        return sum(len(c.token_ids) for c in self.choices if c.index != 0)
+
+    def event_data(self) -> dict[str, Any]:
+        """What the job's token event carries beside choice 0's text (tidegate/events.py):
+        choice 0's logprobs (n = 1), or every choice's new output (n > 1)."""
+        data: dict[str, Any] = {}
+        if self.logprobs is not None and not self.choices:
+            data["logprobs"] = list(self.logprobs)
+        if self.tool_calls:
+            data["tool_calls"] = list(self.tool_calls)
+        if self.choices:
+            data["choices"] = [
+                {"index": c.index, "text": c.text, "tokens": len(c.token_ids),
+                 "finish_reason": c.finish_reason,
+                 "logprobs": None if c.logprobs is None else list(c.logprobs)}
+                for c in self.choices]
+        return data
 
 
 async def warm_prompts(engine: Engine, prompts: list[str]) -> None:
@@ -97,6 +165,9 @@ def check_kv_policy(policy: str) -> None:
 class Engine(Protocol):
     kind: str
     config: EngineConfig
+    # What the engine does beyond plain generation (tidegate/capabilities.py): the worker
+    # advertises it in its heartbeat; admission refuses what no worker of a lane has.
+    capabilities: frozenset[str]
 
     async def start(self) -> None: ...
 

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
-from workers.engine import Delta, Engine, EngineRequest
+from workers.engine import ChoiceDelta, Delta, Engine, EngineRequest
 
 _END = object()
 _REMEMBER_CANCELLED = 10_000  # ids cancelled before their run started (broadcast cancels)
@@ -193,7 +193,30 @@ def merge(deltas: list[Delta]) -> Delta:
                  prompt_tokens=next((d.prompt_tokens for d in deltas
                                      if d.prompt_tokens is not None), None),
                  cached_tokens=next((d.cached_tokens for d in deltas
-                                     if d.cached_tokens is not None), None))
+                                     if d.cached_tokens is not None), None),
+                 logprobs=_joined_logprobs([d.logprobs for d in deltas]),
+                 choices=_merged_choices([c for d in deltas for c in d.choices]),
+                 tool_calls=tuple(call for d in deltas for call in d.tool_calls))
+
+
+def _joined_logprobs(parts: list[tuple[Any, ...] | None]) -> tuple[Any, ...] | None:
+    if all(p is None for p in parts):
+        return None
+    return tuple(lp for p in parts for lp in p or ())
+
+
+def _merged_choices(choices: list[ChoiceDelta]) -> tuple[ChoiceDelta, ...]:
+    """Consecutive steps' output of each choice (n > 1) as one per choice, by index."""
+    by_index: dict[int, list[ChoiceDelta]] = {}
+    for c in choices:
+        by_index.setdefault(c.index, []).append(c)
+    return tuple(
+        ChoiceDelta(index=index, text="".join(c.text for c in run),
+                    token_ids=tuple(i for c in run for i in c.token_ids),
+                    finish_reason=next((c.finish_reason for c in reversed(run)
+                                        if c.finish_reason), None),
+                    logprobs=_joined_logprobs([c.logprobs for c in run]))
+        for index, run in sorted(by_index.items()))
 
 
 def name_os_thread(name: str) -> None:

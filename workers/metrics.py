@@ -1,7 +1,10 @@
-"""Prometheus metrics of one worker process, served on its own port
-(`TIDEGATE_WORKER_METRICS_PORT`, `tidegate worker --metrics-port`) beside its engine's
-native ones: vLLM's `AsyncLLM` registers its `vllm:*` metrics in prometheus_client's
-default registry of the process that holds it, this one, and the server serves both.
+"""Prometheus metrics of one worker process, served on its own port beside its engine's
+native ones. The port: `tidegate worker --metrics-port` exactly; else
+TIDEGATE_WORKER_METRICS_PORT (9400) plus the worker's `--gpu` index, or the next free port
+above it when another process holds it (announced in the heartbeat and `tidegate status`);
+taken or not, it is settled before the engine loads (`reserve`). vLLM's `AsyncLLM`
+registers its `vllm:*` metrics in prometheus_client's default registry of the process that
+holds it, this one, and the server serves both.
 
 Names, units and meanings follow vLLM's where they coincide (`vllm:time_to_first_token_
 seconds` -> `tidegate_time_to_first_token_seconds`), but tidegate's are measured around the
@@ -13,10 +16,13 @@ the engine when Prometheus scrapes.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import (
     REGISTRY,
@@ -24,9 +30,10 @@ from prometheus_client import (
     Counter,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    make_wsgi_app,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from tidegate.records import EngineStats, WorkerState
@@ -195,26 +202,90 @@ class WorkerCollector(Collector):
         return gauge
 
 
-def check_port(host: str, port: int) -> None:
-    """Stops the process at start when the metrics port is taken (a second worker on the
-    machine with the same port), before minutes of engine loading."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+PORT_SCAN = 100  # ports tried upward from a worker's preferred one, when it is taken
+
+# The socket reserve() bound, listening before the engine loads; serve() serves on it.
+_reserved: socket.socket | None = None
+
+
+def preferred_port(base: int, gpu: str | None) -> int:
+    """The port a worker tries first: `base` plus its GPU index (`--gpu 2`: base + 2; of a
+    list, the first), so each GPU's worker on a machine has a port of its own; `base`
+    without a numeric GPU index."""
+    first = (gpu or "").split(",")[0].strip()
+    return base + int(first) if first.isdigit() else base
+
+
+def reserve(host: str, port: int, *, exact: bool) -> int:
+    """Binds and listens on the worker's metrics socket now, before minutes of engine
+    loading, and returns its port; serve() serves on it once the engine is loaded.
+
+    exact (a port the operator named, `--metrics-port`): that port, or the process stops
+    naming it. Otherwise the first free port from `port` upward (PORT_SCAN of them): a
+    second worker on a machine takes the next one, and says so (its heartbeat and
+    `tidegate status` show it). Any other bind error (an address not on this machine)
+    stops the process at once, as a taken exact port does.
+
+    Listening at once, not only bound: Linux lets two sockets with SO_REUSEADDR bind one
+    port while neither listens, so two workers starting together could both take it.
+    The engine core inherits no socket: vLLM spawns it, and Python's sockets close on exec.
+    """
+    global _reserved
+    last = f"{host}:{port} (not a port)"
+    for candidate in [port] if exact else range(port, min(port + PORT_SCAN, 65536)):
         try:
-            probe.bind((host, port))
+            _reserved = _listen(host, candidate)
+            return candidate
         except OSError as exc:
-            raise SystemExit(f"tidegate worker: cannot serve /metrics on {host}:{port} "
-                             f"({exc.strerror}); give each worker on a machine its own port "
-                             "with TIDEGATE_WORKER_METRICS_PORT or --metrics-port (0: off)"
-                             ) from None
+            last = f"{host}:{candidate} ({exc.strerror})"
+            if exc.errno != errno.EADDRINUSE:
+                break
+    what = "" if exact else f" or any of the {PORT_SCAN - 1} ports above it"
+    raise SystemExit(f"tidegate worker: cannot serve /metrics on {last}{what}; set the "
+                     "port with TIDEGATE_WORKER_METRICS_PORT or --metrics-port (0: off)")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        # A restarted worker takes its port back past the old one's TIME_WAIT connections.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def serve(host: str, port: int, worker: Callable[[], Any]) -> None:
     """Serves /metrics on host:port: tidegate's worker metrics and the default registry
-    (the engine's native metrics, the process's own)."""
-    check_port(host, port)
+    (the engine's native metrics, the process's own). On the socket reserve() holds for
+    that port, else on a new one."""
+    global _reserved
+    sock = _reserved if _reserved is not None and _reserved.getsockname()[1] == port \
+        else _listen(host, port)
+    _reserved = None
     metrics = process_metrics()
     metrics.registry.register(WorkerCollector(worker))
     metrics.registry.register(REGISTRY)  # collected at each scrape: vLLM registers later
-    start_http_server(port, host, registry=metrics.registry)
+    _serve_on(sock, metrics.registry)
     log.info("worker metrics on http://%s:%d/metrics", host, port)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        """No line per scrape (prometheus_client's own server logs none either)."""
+
+
+def _serve_on(sock: socket.socket, registry: CollectorRegistry) -> None:
+    """prometheus_client's threaded WSGI server and app, on a socket already listening
+    (its start_http_server binds one of its own)."""
+    server = ThreadingWSGIServer(sock.getsockname()[:2], _QuietHandler, bind_and_activate=False)
+    server.socket.close()
+    server.socket = sock
+    server.server_address = sock.getsockname()
+    server.server_name, server.server_port = str(sock.getsockname()[0]), sock.getsockname()[1]
+    server.setup_environ()
+    server.set_app(make_wsgi_app(registry))
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()

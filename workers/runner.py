@@ -251,6 +251,13 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
     timeout_s = payload.deadline_at - time.time() if payload.deadline_at else None
     if remaining <= 0 or (timeout_s is not None and timeout_s <= 0):
         return _end_early(ctx, payload, progress, remaining)
+    if payload.sampling.n > 1 and any(e.kind == "token" for e in state.events):
+        # The choices after the first were streamed but are not resumable (a resume
+        # continues one sequence): ended, not regenerated into text the client has.
+        _fail(ctx, payload.job_id, "not_resumable", "the worker running this job (n > 1) "
+              "died after its first tokens; a job with several choices cannot resume",
+              progress)
+        return "error"
     request = _engine_request(payload, remaining, state)
     if ctx.metrics is not None:
         ctx.metrics.prefilled(payload.lane, payload.prompt_tokens)
@@ -359,9 +366,12 @@ def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState
     return EngineRequest(
         request_id=payload.job_id, prompt=payload.prompt, max_tokens=remaining,
         temperature=s.temperature, top_p=s.top_p, seed=s.seed, stop=s.stop,
+        n=s.n, presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty, top_k=s.top_k, min_p=s.min_p,
+        logit_bias=s.logit_bias, logprobs=s.logprobs,
         resume_token_ids=state.token_ids, session_id=payload.session_key, turn=payload.turn,
         lane=payload.lane, lora=payload.lora, shared_prefix_tokens=payload.shared_prefix_tokens,
-        cache_salt=payload.cache_salt,
+        cache_salt=payload.cache_salt, guided=payload.guided, tool_parse=payload.tool_parse,
     )
 
 
@@ -376,15 +386,16 @@ def _on_delta(ctx: WorkerContext, job_id: str, progress: Progress, delta: Delta)
     text, token_ids = delta.text, delta.token_ids
     if delta.cached_tokens is not None:
         progress.cached_tokens = delta.cached_tokens
-    if not token_ids and not text:
+    if delta.empty:
         return
     if not progress.token_ids:
         at = datetime.now(UTC)
         if ctx.retry(ctx.store.mark_first_token, job_id, at, progress.cached_tokens,
                      progress.started_at):
             progress.first_token_at = at
-    progress.add_tokens(text, token_ids)
-    _emit(ctx, job_id, progress, "token", text=text, token_ids=list(token_ids))
+    progress.add_tokens(text, token_ids, delta.other_tokens)
+    _emit(ctx, job_id, progress, "token", text=text, token_ids=list(token_ids),
+          data=delta.event_data())
     if ctx.hold is not None:
         ctx.hold.check(job_id, len(progress.token_ids))
 
@@ -420,7 +431,7 @@ def _done_data(payload: GeneratePayload, job: Any, finish_reason: str,
     return {
         "finish_reason": finish_reason,
         "usage": {"prompt_tokens": payload.prompt_tokens,
-                  "completion_tokens": len(progress.token_ids),
+                  "completion_tokens": progress.completion_tokens,
                   "cached_tokens": job.cached_tokens if job else None},
         "queue_wait_ms": job.queue_wait_ms if job else None,
         "ttft_ms": job.ttft_ms if job else None,
@@ -434,7 +445,7 @@ def _end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: Progr
     _emit(ctx, payload.job_id, progress, "done", data={
         "finish_reason": "cancelled",
         "usage": {"prompt_tokens": payload.prompt_tokens,
-                  "completion_tokens": len(progress.token_ids)}})
+                  "completion_tokens": progress.completion_tokens}})
     _count_end(ctx, JobStatus.CANCELLED, job, progress)
     return "cancelled"
 
@@ -466,7 +477,7 @@ def _finish(ctx: WorkerContext, job_id: str, progress: Progress, status: JobStat
     if progress.first_token_at is None and progress.first_token_out is not None:
         first = FirstToken(progress.first_token_out, progress.started_at, progress.cached_tokens)
     return ctx.retry(ctx.store.end_job, job_id, status, output_text=progress.text,
-                     completion_tokens=len(progress.token_ids),
+                     completion_tokens=progress.completion_tokens,
                      finished_at=datetime.now(UTC), first_token_at=progress.first_token_at,
                      first_token=first, **values)
 

@@ -91,6 +91,22 @@ def engine_logs_like_ours(settings: Settings) -> None:
 QUIET_LOGGERS = {"celery.worker.strategy": "WARNING"}
 
 
+def metrics_port_of(settings: Settings, gpu: str | None,
+                    metrics_port: int | None) -> tuple[int, int]:
+    """The port this worker serves /metrics on (0: none), bound now, before the engine
+    loads, so a taken port costs no engine load; and the port it preferred. `--metrics-port`
+    names the port exactly; else the setting's port plus the GPU index, or the next free
+    one (workers/metrics.py `reserve`): workers on one machine need no flag."""
+    host = settings.metrics_host
+    if metrics_port is not None:
+        return (worker_metrics.reserve(host, metrics_port, exact=True) if metrics_port
+                else 0), metrics_port
+    if not settings.worker_metrics_port:
+        return 0, 0
+    preferred = worker_metrics.preferred_port(settings.worker_metrics_port, gpu)
+    return worker_metrics.reserve(host, preferred, exact=False), preferred
+
+
 def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
                loglevel: str = "INFO", pool: str | None = None, engine: str = "vllm",
                standby: bool = False, cpus: str | None = None,
@@ -112,13 +128,14 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
         # itself, every engine on a machine binds to the same first core.
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     name = name or f"{lane}-{gpu or 'cpu'}-{os.getpid()}@{socket.gethostname()}"
-    port = settings.worker_metrics_port if metrics_port is None else metrics_port
-    if port:  # a taken port stops the worker now, not after minutes of engine loading
-        worker_metrics.check_port(settings.metrics_host, port)
+    port, preferred = metrics_port_of(settings, gpu, metrics_port)
     logs.set_process_fields(worker=name)
     quiet = settings.log_level.upper() != "DEBUG"
     logs.setup_logging(settings, "worker", job_tasks=[GENERATE],
                        loggers=QUIET_LOGGERS if quiet else None)
+    if port != preferred:
+        log.warning("metrics port %d is taken: this worker serves /metrics on %d once its "
+                    "engine is loaded (in its heartbeat and `tidegate status`)", preferred, port)
     engine_logs_like_ours(settings)
     lower_cpu_priority(settings.lanes[lane].cpu_nice)
     celery_hooks.register(celery_app)

@@ -25,8 +25,12 @@ What is modelled (the timing figures are profiles in workers/sim_profiles.toml):
   with one prompt agree, seeds repeat, and a resumed request (same job id) continues the
   very sequence it was cut from. A tiny top_p leaves one candidate: seeds then agree.
 
-Not modelled: end-of-sequence (every request runs to its max tokens, like the test
-checkpoint), preemption, LoRA or sampling costs, CUDA graph padding.
+Stop strings end a request as in vLLM (matched in the output text, left out of it).
+
+Not modelled: end-of-sequence (every request runs to its max tokens unless a stop string
+ends it, like the test checkpoint), preemption, LoRA or sampling costs, CUDA graph
+padding. Not there at all (`capabilities`): n > 1, logprobs, penalties, logit_bias, top_k,
+min_p, structured output, tools.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tidegate import capabilities as cap
 from workers.engine import (
     Delta,
     EngineConfig,
@@ -222,6 +227,28 @@ class _Seq:
     cached_tokens: int = 0
     computed: int = 0  # prompt tokens in the KV cache, hit or prefilled
     done: bool = False
+    held: str = ""  # output text held back: it may begin a stop string
+
+    def cut(self, new: str, last: bool) -> tuple[str, str | None]:
+        """(text to send, finish reason) after a token whose text is `new`, with the
+        request's stop strings matched as vLLM matches them: the output ends before the
+        first stop string and leaves it out; text that could begin one is held back until
+        the next token tells."""
+        stops = self.request.stop
+        if not stops:
+            return new, "length" if last else None
+        self.held += new
+        found = [self.held.find(stop) for stop in stops if stop in self.held]
+        if found:
+            text, self.held = self.held[:min(found)], ""
+            return text, "stop"
+        if last:
+            text, self.held = self.held, ""
+            return text, "length"
+        keep = max(len(stop) for stop in stops) - 1
+        text = self.held[:len(self.held) - keep] if keep else self.held
+        self.held = self.held[len(text):]
+        return text, None
 
     @property
     def owner(self) -> str:
@@ -349,6 +376,11 @@ class KvCache:
 
 class SimEngine:
     kind = "sim"
+    # Stop strings (matched in its text, as vLLM does) and LoRA adapters by name. It has no
+    # logits, so no logprobs, penalties, logit_bias, top_k or min_p; no n (one sequence a
+    # request), no structured output, no tools: admission refuses requests that need them
+    # on a lane only sim workers serve (tidegate/capabilities.py).
+    capabilities = frozenset({cap.STOP, cap.LORA})
 
     def __init__(self, config: EngineConfig, profile: str | SimProfile = "instant",
                  vocab: Vocab | None = None,
@@ -428,8 +460,6 @@ class SimEngine:
                               f"the maximum model length of {self.config.max_model_len}.")
         if request.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {request.max_tokens}")
-        if request.stop:  # its tokens are a timing model's, not text worth stopping on
-            raise EngineError("the sim engine does not implement stop strings")
         max_new = min(request.max_tokens, room)
         blocks = self._kv.blocks_for(len(prompt_ids) + max_new)
         if blocks > len(self._kv.blocks):
@@ -553,11 +583,10 @@ class SimEngine:
         position = len(seq.request.resume_token_ids) + len(seq.output_ids)
         token = seq.sampler.token(self._vocab, position)
         seq.output_ids.append(token)
-        last = len(seq.output_ids) >= seq.max_new
-        seq.out.put_nowait(seq.delta((token,), self._vocab.text[token],
-                                     "length" if last else None))
-        if last:
-            self._end(seq, "length")
+        text, reason = seq.cut(self._vocab.text[token], len(seq.output_ids) >= seq.max_new)
+        seq.out.put_nowait(seq.delta((token,), text, reason))
+        if reason is not None:
+            self._end(seq, reason)
 
     def _on_loop_end(self, task: asyncio.Task[None]) -> None:
         """The loop only ends cancelled (shutdown) or on a bug: then every live request

@@ -208,12 +208,13 @@ class Streamer:
         if not take.deltas:
             return
         delta = take.delta = merge(take.deltas)
-        if not delta.token_ids and not delta.text:
+        if delta.empty:
             return
         progress = take.feed.progress
         take.first = not progress.token_ids
         take.event = Event(job_id=take.feed.job_id, seq=progress.seq, kind="token",
-                           text=delta.text, token_ids=list(delta.token_ids))
+                           text=delta.text, token_ids=list(delta.token_ids),
+                           data=delta.event_data())
 
     def _cancel_watch_due(self) -> list[Feed]:
         now = time.monotonic()
@@ -279,7 +280,7 @@ class Streamer:
             feed.finish_reason = delta.finish_reason
         if take.event is None:
             return
-        progress.add_tokens(delta.text, delta.token_ids)
+        progress.add_tokens(delta.text, delta.token_ids, delta.other_tokens)
         progress.appended(take.event)
         if take.first:
             progress.first_token_out = datetime.now(UTC)

@@ -45,6 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from tidegate import capabilities as cap
 from workers.engine import (
     Delta,
     EngineConfig,
@@ -170,13 +171,31 @@ def llm_kwargs(config: EngineConfig, backend: str, found: Precision = (None, Non
     kv: dict[str, Any] = {"enable_block_reuse": config.enable_prefix_caching}
     kwargs: dict[str, Any] = {"model": config.model, "dtype": config.dtype,
                               "max_batch_size": config.slots,
-                              "max_seq_len": config.max_model_len, "kv_cache_config": kv}
+                              "max_seq_len": config.max_model_len, "kv_cache_config": kv,
+                              # structured output (response_format): TensorRT-LLM's guided
+                              # decoding needs its grammar backend chosen at start
+                              "guided_decoding_backend": GUIDED_BACKEND}
     if backend == PYTORCH:
         kv["dtype"] = "fp8" if wanted[1] else "auto"
         kwargs["enable_iter_perf_stats"] = True  # off by default there; stats() needs it
     elif not built:  # the TensorRT backend quantizes while it builds the engine
         kwargs["quant_config"] = {"quant_algo": wanted[0], "kv_cache_quant_algo": wanted[1]}
     return kwargs
+
+
+GUIDED_BACKEND = "llguidance"  # as the vLLM adapter's: the widest JSON Schema coverage
+
+
+def guided_decoding(guided: dict[str, Any] | None) -> dict[str, Any]:
+    """SamplingParams' `guided_decoding` for a job's structured output ({"json": schema}
+    or {"json_object": True}: api/openai_tools.py), as TensorRT-LLM's GuidedDecodingParams
+    takes it (the same field names); {} for none."""
+    if not guided:
+        return {}
+    from tensorrt_llm.llmapi import GuidedDecodingParams
+
+    fields = {name: guided[name] for name in ("json", "json_object") if name in guided}
+    return {"guided_decoding": GuidedDecodingParams(**fields)}
 
 
 def clamp_max_tokens(prompt_tokens: int, max_tokens: int, max_seq_len: int) -> int:
@@ -295,6 +314,11 @@ def as_timedelta(duration_ms: int | None) -> timedelta | None:
 
 class TrtllmEngine:
     kind = "trtllm"
+    # What this adapter carries to TensorRT-LLM today: stop strings, and structured output
+    # (its guided decoding: `guided_decoding`). Its SamplingParams has n, penalties and
+    # logprobs too; until the adapter passes them, admission sends requests that need them
+    # to the lane's vLLM pool, or refuses them (a 400). Tools: no tool parser here.
+    capabilities = frozenset({cap.STOP, cap.STRUCTURED_OUTPUT})
 
     def __init__(self, config: EngineConfig, backend: str | None = None) -> None:
         self.config = config
@@ -370,7 +394,7 @@ class TrtllmEngine:
         params = SamplingParams(
             max_tokens=clamp_max_tokens(len(ids), request.max_tokens, self.config.max_model_len),
             temperature=request.temperature, top_p=request.top_p, seed=sampling_seed(request),
-            stop=list(request.stop) or None)
+            stop=list(request.stop) or None, **guided_decoding(request.guided))
         result = self._llm.generate_async(
             ids, params, streaming=True,
             kv_cache_retention_config=self.retention_for(request))

@@ -12,11 +12,14 @@ import os
 import tempfile
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+from tidegate import capabilities as cap
 from workers.engine import (
+    ChoiceDelta,
     Delta,
     EngineConfig,
     EngineDead,
@@ -104,6 +107,8 @@ class _StatsRecorder:
 
 class VllmEngine:
     kind = "vllm"
+    # Everything vLLM's own server does for text (no multimodal model is served).
+    capabilities = cap.ALL - {cap.VISION, cap.AUDIO}
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -123,6 +128,7 @@ class VllmEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         cfg = self.config
+        _check_tool_parsers(cfg.tool_parsers)
         self.kv_cache_dtype = effective_kv_cache_dtype(cfg.kv_cache_dtype,
                                                        current_platform.is_cpu())
         if self.kv_cache_dtype != cfg.kv_cache_dtype:
@@ -141,6 +147,10 @@ class VllmEngine:
             disable_log_stats=False,
             enforce_eager=enforce_eager(cfg.cuda_graphs, current_platform.is_cpu()),
             use_tqdm_on_load=False,  # a progress bar is no log line (tidegate/logs.py)
+            # Structured output (JSON) without whitespace between tokens: a grammar that
+            # allows any lets a model spend its whole max_tokens on spaces (small models
+            # do), and compact JSON is the same JSON. An engine-wide setting in vLLM.
+            structured_outputs_config=_structured_config(),
             **self._lora_args(),
             **_platform_args(cfg),
         )
@@ -199,8 +209,10 @@ class VllmEngine:
             top_p=request.top_p,
             seed=request.seed,
             stop=list(request.stop) or None,
+            structured_outputs=_structured(request.guided),
             output_kind=RequestOutputKind.DELTA,
             extra_args={"tidegate": self._kv_meta(request)},
+            **_sampling_extras(request),
         )
         lora = None
         if request.lora is not None:
@@ -209,10 +221,14 @@ class VllmEngine:
                 raise EngineError(f"unknown LoRA adapter {request.lora!r}")
         finished = False
         try:
+            calls = _ToolStream(request.tool_parse, self._llm.get_tokenizer()) \
+                if request.tool_parse else None
             async for out in self._llm.generate(
                 self._prompt(request), params, request.request_id, lora_request=lora
             ):
-                delta = _delta(out)
+                delta = _delta(out, request)
+                if calls is not None:
+                    delta = calls.step(delta)
                 finished = delta.finished
                 yield delta
         # vLLM's validation errors: ValueError, and VLLMValidationError (a VLLMClientError,
@@ -316,14 +332,129 @@ def _platform_args(cfg: EngineConfig) -> dict[str, Any]:
             "max_num_batched_tokens": max(cfg.max_model_len, 8192)}
 
 
-def _delta(out: Any) -> Delta:
+def _sampling_extras(request: EngineRequest) -> dict[str, Any]:
+    """SamplingParams' arguments beyond the plain ones, only those the request sets (vLLM's
+    defaults are the neutral values)."""
+    values: dict[str, Any] = {
+        "n": request.n, "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty, "top_k": request.top_k,
+        "min_p": request.min_p, "logprobs": request.logprobs,
+        "logit_bias": dict(request.logit_bias) or None}
+    return {name: value for name, value in values.items() if value is not None}
+
+
+LOGPROB_FLOOR = -9999.0  # vLLM's server's stand-in for -inf, which JSON cannot carry
+
+
+def _logprobs(comp: Any, top: int | None) -> tuple[list[Any], ...] | None:
+    """A CompletionOutput's new tokens' logprobs as the events carry them: [text, logprob,
+    [[alternative text, logprob], ...] best first, at most `top`]."""
+    if top is None or comp.logprobs is None:
+        return None
+    out = []
+    for token_id, position in zip(comp.token_ids, comp.logprobs, strict=False):
+        ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
+        chosen = position.get(token_id)
+        alternatives = [[lp.decoded_token or "", max(lp.logprob, LOGPROB_FLOOR)]
+                        for _, lp in ranked[:top]]
+        out.append([chosen.decoded_token or "" if chosen else "",
+                    max(chosen.logprob, LOGPROB_FLOOR) if chosen else LOGPROB_FLOOR,
+                    alternatives])
+    return tuple(out)
+
+
+def _delta(out: Any, request: EngineRequest) -> Delta:
+    """One RequestOutput as a Delta. With n > 1, vLLM's parallel sampling sends each
+    output step of one choice (its `index`) alone; `finished` once every choice is."""
     comp = out.outputs[0]
     reason = comp.finish_reason if out.finished else None
-    return Delta(
-        text=comp.text,
-        token_ids=tuple(comp.token_ids),
-        finished=bool(out.finished),
-        finish_reason=reason,
-        prompt_tokens=len(out.prompt_token_ids or ()),
-        cached_tokens=out.num_cached_tokens,
-    )
+    common = {"finished": bool(out.finished), "finish_reason": reason,
+              "prompt_tokens": len(out.prompt_token_ids or ()),
+              "cached_tokens": out.num_cached_tokens}
+    if request.n == 1:
+        return Delta(text=comp.text, token_ids=tuple(comp.token_ids),
+                     logprobs=_logprobs(comp, request.logprobs), **common)
+    choices = tuple(ChoiceDelta(index=c.index, text=c.text, token_ids=tuple(c.token_ids),
+                                finish_reason=c.finish_reason,
+                                logprobs=_logprobs(c, request.logprobs))
+                    for c in out.outputs)
+    first = next((c for c in choices if c.index == 0), None)
+    return Delta(text=first.text if first else "", token_ids=first.token_ids if first else (),
+                 logprobs=first.logprobs if first else None, choices=choices, **common)
+
+
+def _check_tool_parsers(names: tuple[str, ...]) -> None:
+    """A lane's tool_parser that vLLM does not have fails the worker's start, not each of
+    its `auto` tool requests."""
+    if not names:
+        return
+    from vllm.tool_parsers import ToolParserManager
+
+    known = ToolParserManager.list_registered()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise EngineError(f"tool_parser {', '.join(map(repr, unknown))} is not one of vLLM's "
+                          f"({', '.join(sorted(known))})")
+
+
+def _structured_config() -> Any:
+    from vllm.config import StructuredOutputsConfig
+
+    # llguidance: it takes the widest range of JSON Schema (xgrammar, vLLM's first choice,
+    # refuses some keywords, and without "auto" there is no fallback), and it honours
+    # disable_any_whitespace, which vLLM allows only with a named backend.
+    return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+
+
+def _structured(guided: dict[str, Any] | None) -> Any:
+    """vLLM's structured-output constraint from the job's (api/openai_tools.py)."""
+    if not guided:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(**guided)
+
+
+class _ToolStream:
+    """vLLM's tool parser over one request's deltas (`auto` tool choice), as vLLM's own
+    server runs it: each step's text goes through `extract_tool_calls_streaming`, which
+    answers the content to send and OpenAI's tool-call deltas; a delta then holds only the
+    content, and the calls ride in `tool_calls` (the job's token events, tidegate/events.py).
+    """
+
+    def __init__(self, spec: dict[str, Any], tokenizer: Any) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.tool_parsers import ToolParserManager
+
+        try:
+            parser_cls = ToolParserManager.get_tool_parser(str(spec.get("parser")))
+        except KeyError:
+            raise EngineError(f"unknown tool parser {spec.get('parser')!r}; the lane's "
+                              f"tool_parser must be one of vLLM's") from None
+        self.request = ChatCompletionRequest.model_validate({
+            "model": "tidegate", "messages": [{"role": "user", "content": "-"}],
+            "tools": spec.get("tools") or [], "tool_choice": "auto"})
+        tools: list[Any] = list(self.request.tools or [])
+        self.parser = parser_cls(tokenizer, tools)
+        self.text = ""
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text sent as content
+        self.called = False
+
+    def step(self, delta: Delta) -> Delta:
+        previous_text, previous_ids = self.text, self.ids
+        self.text += delta.text
+        self.ids = previous_ids + list(delta.token_ids)
+        message = self.parser.extract_tool_calls_streaming(
+            previous_text, self.text, delta.text, previous_ids, self.ids,
+            list(delta.token_ids), self.request) if delta.text else None
+        content = (message.content or "") if message is not None else ""
+        calls = tuple(call.model_dump(exclude_none=True)
+                      for call in (message.tool_calls if message is not None else []))
+        self.called = self.called or bool(calls)
+        if delta.finished and not self.called:
+            # The parser holds back a tail that could start a call's tag; there is none.
+            content = self.text[self.sent:]
+        self.sent += len(content)
+        return replace(delta, text=content, tool_calls=calls)

@@ -72,6 +72,7 @@ class Worker:
         self.pool_queue = pool_queue(settings.lanes[lane], pool)
         self.direct_queue = keys.direct_queue(settings.namespace, name)
         self.boot = uuid.uuid4().hex  # tells a restarted process (same name) from the old
+        self.metrics_port = 0  # where it serves /metrics (workers/metrics.py); 0: nowhere
         self.stopped = False
         self.phase = Phase.STARTING
         # Fault injection for health tests and drills: the allocation latency this worker
@@ -280,7 +281,9 @@ class Worker:
             lora=tuple(name for name, _ in self.settings.lora), pid=os.getpid(),
             boot=self.boot, host=socket.gethostname(), ts=time.time(),
             engine=self.ctx.host.engine.kind if self.ctx else "", stats=stats,
-            mean_job_ms=self.ctx.mean_job_ms if self.ctx else None)
+            mean_job_ms=self.ctx.mean_job_ms if self.ctx else None,
+            metrics_port=self.metrics_port,
+            capabilities=tuple(sorted(self.ctx.host.engine.capabilities)) if self.ctx else ())
 
     def beat(self) -> None:
         """Advertises the worker (its heartbeat record, living a few periods)."""

@@ -92,6 +92,9 @@ def test_an_api_with_only_the_tokenizer_files_is_ready_and_counts_tokens(
         wait_until(lambda: api_ready(base, []), 90, "the API's /readyz", [api])
         ready = httpx.get(f"{base}/readyz", timeout=10).json()
         assert ready["checks"]["tokenizer"] == {"ok": True}  # with no worker anywhere
+        # A worker's heartbeat before the first read of the fleet, which the API caches for
+        # a moment (GET /v1/models reads it for the adapters the workers serve).
+        advertise(client, ns, "chat-advertised@tokenizer", "chat", "vllm")
         models = httpx.get(f"{base}/v1/models", headers=bearer(key), timeout=10).json()
         assert "llama-test-70b" in [m["id"] for m in models["data"]]
         long = {"lane": "chat", "max_tokens": 8,
@@ -100,7 +103,6 @@ def test_an_api_with_only_the_tokenizer_files_is_ready_and_counts_tokens(
         assert resp.status_code == 422, resp.text
         assert resp.json()["error"]["field"] == "messages"
         assert "tokens; lane 'chat' allows" in resp.json()["error"]["message"]
-        advertise(client, ns, "chat-advertised@tokenizer", "chat", "vllm")
         short = {**long, "messages": [{"role": "user", "content": "Is my refund on its way?"}]}
         resp = httpx.post(f"{base}/v1/jobs", json=short, headers=bearer(key), timeout=30)
         assert resp.status_code == 202, resp.text

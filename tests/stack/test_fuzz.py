@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import secrets
 from collections import Counter
 from collections.abc import Iterator
@@ -255,7 +256,9 @@ def test_every_route_is_in_the_schema_with_its_contract(tmp_root: Path) -> None:
         doc = app.openapi()  # built from the routes: nothing is served or connected
     finally:
         app.state.deps.admission.close()  # the one thing create_app started
-    served = {(route.path, method.lower()) for route in app.routes
+    # A path parameter's convertor (`{model:path}`: a model id may hold a slash) is the
+    # router's business; the schema names the parameter alone.
+    served = {(re.sub(r":\w+}", "}", route.path), method.lower()) for route in app.routes
               if isinstance(route, APIRoute) for method in route.methods}
     documented = {(path, method) for path, methods in doc["paths"].items() for method in methods}
     assert served == documented

@@ -1,7 +1,7 @@
 """Metrics by the book, scraped from every process of a running stack: the session stack
 (two vLLM workers, finance and chat, one API), a second API process and a scheduler on the
 same Redis and database. A small mixed load goes through both APIs, with refused requests;
-then every process's /metrics is parsed and checked against the README's table (name,
+then every process's /metrics is parsed and checked against docs/operations.md's table (name,
 type, unit, labels, which process serves it), and the numbers a user would read: the two
 APIs' admissions add up to the jobs submitted, each API counting only its own; the
 workers' finished jobs add up to the jobs run; vLLM's own metrics are on the workers'.
@@ -43,7 +43,7 @@ LOAD = {"api-1": (("finance", 1), ("chat", 2)), "api-2": (("finance", 1), ("chat
 
 @dataclass(frozen=True)
 class Row:
-    """One metric of the README's table."""
+    """One metric of the docs' table (docs/operations.md, "Metrics")."""
 
     type: str
     unit: str
@@ -52,9 +52,9 @@ class Row:
 
 
 def readme_table() -> dict[str, Row]:
-    """The table under "### Metrics" in README.md: name -> Row."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("### Metrics", 1)[1].split("\n### ", 1)[0]
+    """The table under "## Metrics" in docs/operations.md: name -> Row."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    section = text.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -167,7 +167,7 @@ def finished(scrapes: dict[str, Families]) -> float:
 
 def test_every_scrape_matches_the_readme_table(load: Load) -> None:
     table = readme_table()
-    assert len(table) >= 20, "the README's metrics table was not found"
+    assert len(table) >= 20, "docs/operations.md's metrics table was not found"
     for process, families in load.after.items():
         served = {name for name, row in table.items() if kind_of(process) in row.served_by}
         seen = set()
@@ -176,16 +176,16 @@ def test_every_scrape_matches_the_readme_table(load: Load) -> None:
                 continue
             name = family.name + ("_total" if family.type == "counter" else "")
             seen.add(name)
-            assert name in served, f"{process} serves {name}, which the README's table " \
+            assert name in served, f"{process} serves {name}, which the docs' table " \
                                    "does not list for it"
             row = table[name]
-            assert family.type == row.type, f"{name}: {family.type}, the README says {row.type}"
+            assert family.type == row.type, f"{name}: {family.type}, the docs say {row.type}"
             assert (row.unit == "seconds") == name.endswith("_seconds"), name
             assert "_ms" not in name and "milli" not in name, name
             for sample in family.samples:
                 labels = set(sample.labels) - ({"le"} if family.type == "histogram" else set())
                 assert labels == row.labels, f"{process} {sample.name}: labels {labels}, " \
-                                             f"the README says {set(row.labels)}"
+                                             f"the docs say {set(row.labels)}"
         assert served <= seen, f"{process} does not serve {sorted(served - seen)}"
 
 

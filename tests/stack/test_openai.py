@@ -226,7 +226,7 @@ def test_each_error_class_on_the_real_stack(stack: Stack, key: str) -> None:
                                                       service_tier="priority")
     assert denied.value.param == "service_tier"
     with pytest.raises(openai.BadRequestError) as bad:
-        sdk(stack, key).chat.completions.create(model=MODEL, messages=USER, n=2)  # type: ignore[arg-type]
+        sdk(stack, key).chat.completions.create(model=MODEL, messages=USER, n=99)  # type: ignore[arg-type]
     assert bad.value.param == "n"
     with pytest.raises(openai.NotFoundError):
         sdk(stack, key).batches.retrieve("batch_nope")

@@ -65,13 +65,15 @@ def chat(api: Api, key: str | None = None, **fields: Any) -> Any:
 
 
 CASES = [  # (fields, the SDK's error class, status, param)
-    ({"n": 2}, openai.BadRequestError, 400, "n"),
+    ({"n": 17}, openai.BadRequestError, 400, "n"),  # above MAX_N
+    ({"top_logprobs": 2}, openai.BadRequestError, 400, "top_logprobs"),  # without logprobs
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, openai.BadRequestError,
      400, "tools"),
-    ({"bogus": 1}, openai.BadRequestError, 400, "bogus"),
     ({"temperature": 3}, openai.BadRequestError, 400, "temperature"),
     ({"messages": []}, openai.BadRequestError, 400, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, openai.BadRequestError, 400,
+     "messages.0.tool_call_id"),
+    ({"messages": [{"role": "critic", "content": "x"}]}, openai.BadRequestError, 400,
      "messages.0.role"),
     ({"stop": ["a", "b", "c", "d", "e"]}, openai.BadRequestError, 400, "stop"),
     ({"max_tokens": 100_000}, openai.BadRequestError, 400, "max_tokens"),

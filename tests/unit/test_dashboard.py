@@ -1,7 +1,7 @@
 """The monitoring deploy files: the Grafana dashboard (deploy/grafana/dashboards/) and the
 Prometheus alert rules (deploy/prometheus/). Every expression parses and reads only metrics
 of the catalogue, the dashboard shows every catalogued metric, each alert links a runbook
-section that exists in the README, and, where promtool is installed, Prometheus' own
+section that exists in docs/operations.md, and, where promtool is installed, Prometheus' own
 checker accepts the files and the alerts fire on the series their unit tests feed them.
 The stack test of the metrics checks the same names against a live scrape.
 """
@@ -33,7 +33,8 @@ from tests.promql import (
     substitute,
 )
 
-RUNBOOK_BASE = "https://github.com/tidegate/tidegate#"
+RUNBOOK_BASE = "https://github.com/tidegate/tidegate/blob/main/docs/operations.md#"
+OPERATIONS = ROOT / "docs" / "operations.md"
 PROMETHEUS = DEPLOY / "prometheus"
 
 
@@ -41,11 +42,11 @@ def _rules() -> list[dict]:
     return [rule for path in RULE_FILES for rule in alert_rules(path)]
 
 
-def _readme_section(heading: str) -> str:
-    """The README's text under `heading` (a `### ` line), up to the next `## `/`### `."""
-    text = (ROOT / "README.md").read_text()
+def _ops_section(heading: str) -> str:
+    """docs/operations.md's text under `heading` (a `## ` line), up to the next `## `."""
+    text = OPERATIONS.read_text()
     start = text.index(f"\n{heading}\n")
-    end = re.search(r"\n#{2,3} ", text[start + 1:])
+    end = re.search(r"\n## ", text[start + 1:])
     return text[start: start + 1 + end.start()] if end else text[start:]
 
 
@@ -108,11 +109,11 @@ def test_every_metric_read_is_catalogued_and_the_dashboard_shows_them_all() -> N
     assert set(CATALOGUE) - shown == set()
 
 
-def test_the_readme_metrics_table_lists_the_catalogue() -> None:
-    section = _readme_section("### Metrics")
+def test_the_docs_metrics_table_lists_the_catalogue() -> None:
+    section = _ops_section("## Metrics")
     listed = set(re.findall(r"\btidegate_[a-z0-9_]+", section))
     if not listed:
-        pytest.skip("README's Metrics section has no metric table yet")
+        pytest.skip("docs/operations.md's Metrics section has no metric table yet")
     assert set(CATALOGUE) - listed == set()
 
 
@@ -147,9 +148,9 @@ def test_the_allocation_panel_draws_the_200_ms_line_and_ttft_its_objective() -> 
     assert any("tidegate_lane_ttft_p99_objective_seconds" in t["expr"] for t in ttft["targets"])
 
 
-def test_every_alert_is_complete_and_links_a_readme_runbook() -> None:
-    section = _readme_section("### Alerts and runbooks")
-    anchors = {_anchor(h) for h in re.findall(r"^#### (.+)$", section, re.M)}
+def test_every_alert_is_complete_and_links_a_docs_runbook() -> None:
+    section = _ops_section("## Alerts and runbooks")
+    anchors = {_anchor(h) for h in re.findall(r"^### (.+)$", section, re.M)}
     for rule in _rules():
         assert rule["alert"].startswith("Tidegate"), rule
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
@@ -157,7 +158,7 @@ def test_every_alert_is_complete_and_links_a_readme_runbook() -> None:
         url = rule["annotations"]["runbook_url"]
         assert url.startswith(RUNBOOK_BASE), rule["alert"]
         assert url.removeprefix(RUNBOOK_BASE) in anchors, rule["alert"]
-        assert rule["alert"] in section, f"README's runbooks do not name {rule['alert']}"
+        assert rule["alert"] in section, f"the runbooks do not name {rule['alert']}"
 
 
 def test_the_issue_alerts_are_all_there() -> None:

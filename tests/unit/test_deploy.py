@@ -23,7 +23,7 @@ import yaml
 from kubernetes_validate.utils import latest_version
 
 from tests.promql import metric_names_in, series_names
-from tidegate.lanes import load_lanes, load_service_tiers
+from tidegate.lanes import Lane, load_lanes, load_service_tiers
 from tidegate.records import RESTART_EXIT
 from tidegate.settings import Settings
 from tidegate_tools.cli import _parser
@@ -239,15 +239,54 @@ def test_metrics_ports_are_the_settings_defaults() -> None:
     assert int(config["tidegate-config"]["TIDEGATE_WORKER_METRICS_PORT"]) == expected["worker"]
 
 
-def test_the_lanes_configmap_says_what_the_shipped_lanes_file_says(tmp_path: Path) -> None:
-    """Compared as tidegate reads them, so a comment edit needs no copy; a changed lane
-    does (copy tidegate/lanes.toml into deploy/k8s/config.yaml, indented four spaces)."""
+def configmap_lanes(tmp_path: Path) -> dict[str, Lane]:
+    """The lanes of the ConfigMap, as tidegate reads them."""
     config = {d["metadata"]["name"]: d["data"] for d in of_kind("ConfigMap")}
     copied = tmp_path / "lanes.toml"
     copied.write_text(config["tidegate-lanes"]["lanes.toml"])
-    assert load_lanes(copied) == load_lanes()
-    assert load_service_tiers(copied, load_lanes(copied)) == \
-        load_service_tiers(None, load_lanes())
+    return load_lanes(copied)
+
+
+# What the ConfigMap's lanes keep of the shipped file; their precision and limits are
+# sized for the model the ConfigMap names instead.
+KEPT = ("queue", "pools", "default_priority", "ttft_p99_objective_ms", "runs_on",
+        "min_workers", "max_workers", "peak_spare_workers", "cpu_nice", "share_prefix_cache",
+        "keep_on_disconnect", "dtype", "kv_cache_dtype", "batch_min_share")
+
+
+def test_the_lanes_configmap_keeps_the_shipped_lanes(tmp_path: Path) -> None:
+    """Compared as tidegate reads them, so a comment edit needs no copy; a lane added,
+    renamed, or moved to another queue, pool, priority or objective does."""
+    lanes, shipped = configmap_lanes(tmp_path), load_lanes()
+    assert list(lanes) == list(shipped)
+    for name, lane in lanes.items():
+        assert {f: getattr(lane, f) for f in KEPT} == \
+            {f: getattr(shipped[name], f) for f in KEPT}, name
+    assert load_service_tiers(tmp_path / "lanes.toml", lanes) == \
+        load_service_tiers(None, shipped)
+
+
+def test_the_lanes_configmap_is_sized_for_its_70b_model(tmp_path: Path) -> None:
+    """The example names a 70B model: its lanes take its longer prompts and answers, load
+    FP8 weights (a 70B's FP16 weights fit no one GPU, and a worker runs one engine on one
+    GPU), and every lane's prompt and answer fit the engine's context."""
+    env = k8s_env()
+    assert "70b" in env["TIDEGATE_MODEL"]
+    context = int(env["TIDEGATE_MAX_MODEL_LEN"])
+    lanes, shipped = configmap_lanes(tmp_path), load_lanes()
+    for name, lane in lanes.items():
+        assert lane.max_prompt_tokens + lane.max_output_tokens <= context, name
+        assert lane.max_prompt_tokens > shipped[name].max_prompt_tokens, name
+        assert lane.max_output_tokens > shipped[name].max_output_tokens, name
+        assert lane.quantization == "fp8", name
+    assert lanes["finance"].kv_cache_dtype == "auto"  # the finance KV cache stays FP16
+    slots = int(env["TIDEGATE_ENGINE_SLOTS"])
+    chat_hpa = next(h for h in of_kind("HorizontalPodAutoscaler")
+                    if h["spec"]["scaleTargetRef"]["name"] == "tidegate-worker-chat")
+    assert int(chat_hpa["spec"]["metrics"][0]["external"]["target"]["averageValue"]) == slots
+    for lane, deployment in worker_deployments().items():
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > lanes[lane].deadline_s, lane
 
 
 # ---- every variable is a setting, every command one the CLI takes ------------------------

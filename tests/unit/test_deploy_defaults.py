@@ -24,7 +24,7 @@ from tests.unit.test_deploy import compose_tool
 from tidegate.lanes import DEFAULT_LANES_FILE, LanesConfigError, load_lanes
 from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
-from tidegate_tools.cli import flower_auth_problem
+from tidegate_tools.flower import flower_auth_problem
 from workers.vllm_engine import enforce_eager
 
 

@@ -71,7 +71,7 @@ def test_pytorch_backend_fp8_kv_cache_goes_in_kv_cache_config() -> None:
     assert kwargs == {
         "model": "/models/m", "dtype": "float16", "max_batch_size": 16, "max_seq_len": 2048,
         "kv_cache_config": {"enable_block_reuse": True, "dtype": "fp8"},
-        "enable_iter_perf_stats": True,
+        "enable_iter_perf_stats": True, "guided_decoding_backend": "llguidance",
     }
     assert llm_kwargs(FINANCE, PYTORCH)["kv_cache_config"]["dtype"] == "auto"
     no_reuse = replace(CHAT, enable_prefix_caching=False)
