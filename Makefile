@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # sed (not grep) so the pipeline's status stays pip's own under pipefail.
 QUIET_PIP := sed '/is ignored: it is neither a file nor a directory/d'
 
-.PHONY: venv model model-real ops-tools demo test test-faults test-unit lint docs bench clean up
+.PHONY: venv model model-real ops-tools demo test test-faults test-shuffled test-unit lint docs bench clean up
 
 venv: $(STAMP)
 
@@ -57,10 +57,12 @@ demo: venv
 up: venv
 	$(PY) -m tidegate_tools.up
 
-# Both floors: tests/unit (no process, no socket) and tests/stack (real Redis, Celery
-# workers hosting vLLM on CPU, SQLite and PostgreSQL).
+# Both floors: tests/unit (no process, no socket: tests/unit/conftest.py guards it) and
+# tests/stack (real Redis, Celery workers hosting vLLM on CPU, SQLite and PostgreSQL), the
+# worker fault drills included. With CI=true a test whose PostgreSQL, promtool or
+# docker-compose is missing fails instead of skipping; -ra lists every skip and its reason.
 test: venv model ops-tools
-	$(PY) -m pytest -q -m "not faults"
+	$(PY) -m pytest -q
 
 # Debian's promtool (alert rules and their unit tests) and docker-compose (the compose
 # file's `config`), for tests/unit/test_dashboard.py and test_deploy.py. Best effort: as
@@ -74,9 +76,14 @@ ops-tools:
 	  else echo "ops-tools: not root; the promtool and compose tests will skip"; fi; \
 	fi
 
-# Fault drills that start a vLLM worker of their own (tests/stack/test_worker_faults.py).
+# The fault drills alone (part of `make test` too): they start a vLLM worker of their own
+# (tests/stack/test_worker_faults.py).
 test-faults: venv model
 	$(PY) -m pytest -q -m faults
+
+# The suite with its test modules in a shuffled order (tests/conftest.py): SEED=n repeats one.
+test-shuffled: venv model ops-tools
+	TIDEGATE_SHUFFLE_MODULES=$${SEED:-$$(date +%s)} $(PY) -m pytest -q
 
 test-unit: venv model
 	$(PY) -m pytest -q tests/unit

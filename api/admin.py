@@ -6,11 +6,13 @@ is announced to every API process (api/auth.py), so a revoked key is refused at 
     GET    /admin/v1/tenants                         every tenant
     POST   /admin/v1/tenants                         a tenant, and its first key (once)
     GET    /admin/v1/tenants/{name}                  one, with its keys (never the keys)
-    PATCH  /admin/v1/tenants/{name}                  lanes, limits, default webhook, max_priority
+    PATCH  /admin/v1/tenants/{name}                  lanes, limits, default webhook, max_priority,
+                                                     monthly_token_budget
     DELETE /admin/v1/tenants/{name}                  revoke the tenant (every key)
     POST   /admin/v1/tenants/{name}/keys             a new named key (once)
     POST   /admin/v1/tenants/{name}/keys/{id}/rotate a new key; the old one lives `overlap_s`
     DELETE /admin/v1/tenants/{name}/keys/{id}        revoke one key
+    GET    /admin/v1/usage                           the usage ledger (api/usage.py)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from tasks.webhooks import UrlMalformed, UrlRefused, check_url
 
 MAX_OVERLAP_S = 30 * 86400
 MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
 
 
 class TenantSettings(BaseModel):
@@ -47,6 +50,9 @@ class TenantSettings(BaseModel):
     webhook_url: str | None = Field(None, min_length=1, max_length=2048)
     # The highest priority (0-9, 9 most urgent) its jobs may ask; null: each lane's default.
     max_priority: int | None = Field(None, ge=0, le=9)
+    # Tokens (prompt plus completion) a calendar month (UTC); null: no budget. Spent, a
+    # submit answers 429 `quota_exceeded` (api/limits.py). A BIGINT column.
+    monthly_token_budget: int | None = Field(None, gt=0, le=MAX_INT64)
 
 
 class NewTenant(TenantSettings):
@@ -83,14 +89,19 @@ def install(app: FastAPI, deps: Deps) -> None:
     app.delete(base + "/{name}/keys/{key_id}", **hidden)(routes.revoke_key)
 
 
+async def require_admin(tenants: Tenants, request: Request) -> None:
+    """401 unless the request's bearer key is an admin key."""
+    key = bearer_key(request)
+    if not await asyncio.to_thread(tenants.is_admin_key, key):
+        raise unauthorized("authorization: not an admin key (`tidegate admin-key create`)")
+
+
 class _Routes:
     def __init__(self, deps: Deps, tenants: Tenants) -> None:
         self.deps, self.tenants = deps, tenants
 
     async def _admin(self, request: Request) -> None:
-        key = bearer_key(request)
-        if not await asyncio.to_thread(self.tenants.is_admin_key, key):
-            raise unauthorized("authorization: not an admin key (`tidegate admin-key create`)")
+        await require_admin(self.tenants, request)
 
     async def _body(self, request: Request, model: type[BaseModel]) -> Any:
         body = await json_body(request, self.deps)
@@ -142,9 +153,10 @@ class _Routes:
         except TenantExistsError:
             raise ApiError(409, "name", f"name: tenant {new.name!r} exists",
                            kind="conflict") from None
-        if new.webhook_url is not None:
-            updated = await asyncio.to_thread(self.tenants.update, new.name,
-                                              webhook_url=new.webhook_url)
+        later = {name: value for name, value in (("webhook_url", new.webhook_url),
+                 ("monthly_token_budget", new.monthly_token_budget)) if value is not None}
+        if later:
+            updated = await asyncio.to_thread(self.tenants.update, new.name, **later)
             record = updated or record
         keys = await asyncio.to_thread(self.tenants.keys_of, record.id)
         return JSONResponse({**tenant_json(record), "key": {**key_json(keys[0]), "secret": key}},
@@ -223,7 +235,7 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
             "created_at": _at(t.created_at), "revoked_at": _at(t.revoked_at),
             "requests_per_minute": t.requests_per_minute,
             "tokens_per_minute": t.tokens_per_minute, "webhook_url": t.webhook_url,
-            "max_priority": t.max_priority}
+            "max_priority": t.max_priority, "monthly_token_budget": t.monthly_token_budget}
 
 
 def key_json(k: KeyRecord) -> dict[str, Any]:

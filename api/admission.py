@@ -23,6 +23,7 @@ import contextvars
 import itertools
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -156,16 +157,24 @@ class RecentLanes:
     after its submit (the usual producer) is ranked by its lane without a store lookup,
     and only its own tenant's resume of it goes first (api/deps.py stream_rank)."""
 
-    def __init__(self, size: int) -> None:
-        self._size = size
-        self._jobs: OrderedDict[str, tuple[str, int | None]] = OrderedDict()
+    def __init__(self, size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._size, self._clock = size, clock
+        # job -> (lane, tenant, when it was accepted here)
+        self._jobs: OrderedDict[str, tuple[str, int | None, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def add(self, job_id: str, lane: str, tenant_id: int | None = None) -> None:
         with self._lock:
-            self._jobs[job_id] = (lane, tenant_id)
+            self._jobs[job_id] = (lane, tenant_id, self._clock())
             if len(self._jobs) > self._size:
                 self._jobs.popitem(last=False)
+
+    def fresh(self, job_id: str, tenant_id: int, within_s: float) -> bool:
+        """Whether this process accepted the tenant's job at most `within_s` ago."""
+        with self._lock:
+            known = self._jobs.get(job_id)
+        return (known is not None and known[1] == tenant_id
+                and self._clock() - known[2] <= within_s)
 
     def get(self, job_id: str) -> str | None:
         """The job's lane, if this process accepted it lately."""

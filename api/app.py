@@ -19,6 +19,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import redis as syncredis
@@ -30,7 +31,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.types import Scope
 
-from api import admin, batches, listing, openai_routes, openapi, webhook_routes
+from api import admin, batches, listing, openai_routes, openapi, usage, webhook_routes
 from api.auth import authenticate, bearer_key, follow_changes
 from api.bodylimit import BodyLimit
 from api.deps import (
@@ -47,7 +48,7 @@ from api.deps import (
     stream_rank,
 )
 from api.errors import ApiError, malformed, not_found, unavailable
-from api.fleet import fleet_report
+from api.fleet import fleet_report, follow_fleet
 from api.frontgate import FrontGate
 from api.openai_api import error_body
 from api.schemas import parse_job_request
@@ -78,8 +79,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             ThreadPoolExecutor(API_THREADS, thread_name_prefix="api-io"))
         auth_changes = asyncio.create_task(follow_changes(deps.redis, settings.namespace,
                                                           deps.open_streams.changed))
+        fleet_changes = asyncio.create_task(follow_fleet(deps.redis, settings.namespace,
+                                                         deps.fleet_cache.changed))
         gcfreeze.after_start()
         yield
+        fleet_changes.cancel()
         auth_changes.cancel()
         deps.admission.close()
         await deps.stream_hub.close()
@@ -101,6 +105,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     batches.install(app, deps, batch_store)
     webhook_routes.install(app, deps)
     admin.install(app, deps)
+    usage.install(app, deps)  # /v1/usage, /admin/v1/usage
     _ops_routes(app, deps)
     openapi.install(app, settings.lanes)  # /openapi.json; Starlette's 404/405 as JSON errors
     _trace(app, settings)
@@ -217,8 +222,15 @@ def _routes(app: FastAPI, deps: Deps) -> None:
         job_id = check_job_id(job_id)
         if deps.recent_lanes.owner(job_id) not in (None, tenant.id):
             raise not_found("job")  # another tenant's job, as this process accepted it
-        job = await deps.admission.run(stream_rank(deps, job_id, after, tenant),
-                                       deps.store.get_job, job_id, tenant.id)
+        job: Any
+        if after < 0 and deps.recent_lanes.fresh(job_id, tenant.id, JUST_ACCEPTED_S):
+            # The usual producer: its stream, from the start, right after its submit here.
+            # Its row exists, and its end, if it has come, is in its stream: no row read
+            # (a store round trip and an admission thread's turn per job).
+            job = _JustAccepted(job_id, tenant.id)
+        else:
+            job = await deps.admission.run(stream_rank(deps, job_id, after, tenant),
+                                           deps.store.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
         give_back = deps.streams.take(job.tenant_id)  # 429 when the caps are reached
@@ -265,6 +277,18 @@ def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, 
 
 
 EVENT_ID = re.compile(r"-?[0-9]{1,20}")
+# A job this process accepted this recently is streamed without reading its row first:
+# far shorter than any retention, so the row is there.
+JUST_ACCEPTED_S = 60.0
+
+
+@dataclass(frozen=True)
+class _JustAccepted:
+    """What a stream needs of a job's row, for a job this process has just accepted."""
+
+    id: str
+    tenant_id: int
+    terminal: bool = False  # as far as the stream's start needs to know: its events say
 
 
 def _resume_after(header: str | None, query: str | None) -> int:

@@ -52,6 +52,7 @@ class Tenant:
     tokens_per_minute: int | None = None
     webhook_url: str | None = None  # its jobs' default callback_url
     max_priority: int | None = None  # the most its jobs may ask; None: the lane's default
+    monthly_token_budget: int | None = None  # tokens a month (UTC); None: no budget
 
 
 # A key found valid is trusted this long without a store lookup: every request began with
@@ -200,7 +201,8 @@ def tenant_for_key(store: Store, key: str) -> Tenant:
     tenant = Tenant(id=record.id, name=record.name, lanes=frozenset(record.lanes),
                     requests_per_minute=record.requests_per_minute,
                     tokens_per_minute=record.tokens_per_minute,
-                    webhook_url=record.webhook_url, max_priority=record.max_priority)
+                    webhook_url=record.webhook_url, max_priority=record.max_priority,
+                    monthly_token_budget=record.monthly_token_budget)
     _known.put(digest, tenant, generation)
     return tenant
 

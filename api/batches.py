@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from api import files
+from api import files, limits
 from api.auth import Tenant, authenticate
 from api.deps import Deps, check_headers, json_body
 from api.errors import ApiError, not_found
@@ -111,6 +111,9 @@ def _create(deps: Deps, batches: Batches, tenant: Tenant, body: Any) -> BatchRec
         raise ApiError(404, "input_file_id", f"input_file_id: no file {file_id!r} with "
                        "purpose 'batch'", kind="not_found")
     files.check_open_batches(batches, tenant.id, deps.settings)  # 429 quota_exceeded
+    # A spent monthly budget: refused here too, not line by line (each line's submit checks
+    # it as well, for a budget spent while the batch runs).
+    limits.check_budget(tenant, deps.month_usage.get)
     total = len(request_lines(batches.file_content(record.id, tenant.id) or ""))
     lasts = timedelta(seconds=deps.settings.batch_completion_window_s)
     return batches.create_batch(tenant.id, endpoint, lasts, window, record.id, total, meta,

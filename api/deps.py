@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
@@ -23,20 +21,24 @@ from starlette.types import Receive, Scope, Send
 from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import FailedAuth, KeyGate, OpenStreams, Tenant, bearer_key, tenant_for_key
 from api.errors import ApiError, malformed, not_found, unauthorized
-from api.limits import Backlogs, InFlightCounts
+from api.fleet import FLEET_CACHE_S, FleetCache  # noqa: F401  (FLEET_CACHE_S: for the tests)
+from api.limits import Backlogs, InFlightCounts, MonthUsage
 from api.metrics import ApiMetrics
 from api.openai_api import error_body
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
+from api.server import SERVER_SEND
 from api.streamhub import StreamHub
 from api.submit import highest_priority
 from api.submit import submit as submit_job
 from scheduler.router import WorkerView
 from store import Store
+from store.usage import Usage
 from tasks.app import make_app, queue_lengths
 from tidegate import keys, redisconn
 from tidegate.events import Event
 from tidegate.fleet import read_fleet
+from tidegate.ratelimit import RateLimits
 from tidegate.records import JobStatus
 from tidegate.settings import Settings
 
@@ -54,7 +56,6 @@ RESUME_RANK = (-1.0,)
 # beside the tenants' calls, not among them.
 MAX_UNKNOWN_WAITING = 64
 RECENT_JOBS = 10_000  # lanes of the jobs this process accepted last, to rank their streams
-FLEET_CACHE_S = 0.25  # heartbeats are read again after this long
 # Redis connections beyond one per SSE stream: readiness, cancels, auth changes.
 REDIS_SPARE_CONNECTIONS = 8
 REDIS_POOL_WAIT_S = 5.0  # a command waits this long for a free connection, then 503s
@@ -91,6 +92,8 @@ class Deps:
         self.metrics = ApiMetrics()
         self.in_flight = InFlightCounts(self.store.count_in_flight)
         self.backlogs = Backlogs(lambda queues: queue_lengths(self.sync_redis, queues))
+        self.rate_limits = RateLimits(self.sync_redis, settings.namespace)
+        self.month_usage = MonthUsage(Usage(self.store).tokens_since)
         self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting,
                                    MAX_UNKNOWN_WAITING)
         # Keys are checked on the event loop before a body is read (api/auth.py).
@@ -100,19 +103,13 @@ class Deps:
         self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
         self.metrics.sse_streams.set_function(self.streams.open)
         self.recent_lanes = RecentLanes(RECENT_JOBS)
-        self._fleet: tuple[float, list[WorkerView]] = (0.0, [])
-        self._fleet_lock = threading.Lock()
+        # Refreshed at once on a worker's announcement (api/fleet.py follow_fleet, api/app.py).
+        self.fleet_cache = FleetCache(lambda: read_fleet(self.sync_redis, settings.namespace),
+                                      settings.fleet_cache_s)
 
     def fleet(self) -> list[WorkerView]:
-        """Worker heartbeats, read at most every FLEET_CACHE_S: heartbeats change every
-        `heartbeat_s`, and a SCAN per submit was a large share of the API's time."""
-        with self._fleet_lock:
-            read_at, views = self._fleet
-            if time.monotonic() - read_at > FLEET_CACHE_S:
-                views = [WorkerView.from_heartbeat(hb)
-                         for hb in read_fleet(self.sync_redis, self.settings.namespace)]
-                self._fleet = (time.monotonic(), views)
-            return views
+        """Worker heartbeats as the router sees them (api/fleet.py FleetCache)."""
+        return self.fleet_cache.views()
 
 
 async def json_body(request: Request, deps: Deps) -> Any:
@@ -269,8 +266,13 @@ class EventStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stop = _Stop(receive)
         forget = _register(scope, stop.revoke)
+        # The frames skip the middlewares' sends (measured: a sixth of the API's CPU per
+        # token at 256 streams, bench/README.md): each of those acts on a response's head
+        # or its end (access line, error pages, body limit, a trace span's end), and those
+        # still go through them.
+        frames = scope.get(SERVER_SEND, send)
         try:
-            await self._send_all(send)
+            await self._send_all(send, frames)
         except asyncio.CancelledError:
             stop.halt()  # no cancel of its own after this: the last frame must go out
             if not stop.cancelled_it():
@@ -282,10 +284,10 @@ class EventStream(StreamingResponse):
             forget()
             self.give_back()
 
-    async def _send_all(self, send: Send) -> None:
+    async def _send_all(self, send: Send, frames: Send) -> None:
         await self._start(send)
         async for chunk in self.body_iterator:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await frames({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _start(self, send: Send) -> None:

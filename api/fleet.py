@@ -1,4 +1,6 @@
-"""The fleet as `GET /fleetz` reports it: each lane's workers by state and pool.
+"""The fleet as the API sees it: the routers' cached view of the heartbeats (FleetCache),
+refreshed at once when a worker announces a change, and `GET /fleetz`'s report of each
+lane's workers by state and pool.
 
 Kept apart from /readyz on purpose. /readyz says whether this API process can serve
 (Redis, the database, its tokenizer), and a load balancer acts on it; whether workers are
@@ -8,11 +10,22 @@ pod would otherwise leave the load balancer, and submits would fail instead of q
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from scheduler.router import WorkerView
+from tidegate import keys
 from tidegate.lanes import Lane
 from tidegate.records import Heartbeat, WorkerState
+
+log = logging.getLogger("tidegate.api")
+
+FLEET_CACHE_S = 0.25  # heartbeats are read again after this long (fleet_cache_s's default)
+FOLLOW_POLL_S = 1.0  # follow_fleet waits this long for a message per call
 
 
 def fleet_report(fleet: Iterable[Heartbeat], lanes: Mapping[str, Lane]) -> dict[str, Any]:
@@ -45,3 +58,56 @@ def active_workers(report: Mapping[str, Any]) -> set[str]:
     """Every worker the report shows active, whatever its lane and pool."""
     return {name for lane in report["lanes"].values()
             for names in lane[WorkerState.ACTIVE.value].values() for name in names}
+
+
+class FleetCache:
+    """Worker heartbeats as router views, read at most every `max_age_s` (a SCAN per
+    submit was a large share of the API's time) and again at once after a worker announced
+    a change (`changed`, from follow_fleet): a submit right after an activation is routed
+    to the activated worker, not refused until the cache and the next beat catch up."""
+
+    def __init__(self, read: Callable[[], list[Heartbeat]], max_age_s: float = FLEET_CACHE_S):
+        self._read, self.max_age_s = read, max_age_s
+        self._lock = threading.Lock()  # one read at a time; the others wait for its views
+        self._views: list[WorkerView] = []
+        self._read_at = -float("inf")
+        # Bumped by each announcement. A read records the generation it started in, so a
+        # read that began before an announcement does not count as after it.
+        self._generation = 0
+        self._read_generation = -1
+
+    def views(self) -> list[WorkerView]:
+        with self._lock:
+            fresh = time.monotonic() - self._read_at <= self.max_age_s
+            if fresh and self._read_generation == self._generation:
+                return self._views
+            generation = self._generation
+            self._views = [WorkerView.from_heartbeat(hb) for hb in self._read()]
+            self._read_at, self._read_generation = time.monotonic(), generation
+            return self._views
+
+    def changed(self) -> None:
+        """The next `views` reads the heartbeats again. No lock: it must not wait for a
+        read in progress, and only follow_fleet's one task writes the counter."""
+        self._generation += 1
+
+
+async def follow_fleet(client: Any, namespace: str, on_change: Callable[[], None]) -> None:
+    """Calls `on_change` whenever a worker announces a change on the fleet channel
+    (keys.fleet_channel), and after each (re)subscribe for what was missed meanwhile; runs
+    until cancelled. A lost message costs at most `fleet_cache_s` of a stale fleet."""
+    while True:
+        try:
+            async with client.pubsub() as pubsub:
+                await pubsub.subscribe(keys.fleet_channel(namespace))
+                on_change()
+                while True:
+                    # get_message's own timeout, not listen(): the client's socket timeout
+                    # would end an idle listen with TimeoutError (as in api/auth.py).
+                    message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                       timeout=FOLLOW_POLL_S)
+                    if message is not None and message.get("type") == "message":
+                        on_change()
+        except Exception as exc:  # Redis went away: subscribe again
+            log.warning("fleet follower lost Redis: %s", type(exc).__name__)
+            await asyncio.sleep(1)

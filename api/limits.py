@@ -1,7 +1,12 @@
 """The bounds a submit meets before anything is written, each a 429 with Retry-After.
 
-- Rate limits per tenant: requests and tokens per minute, fixed one-minute windows in
-  Redis, so every API replica counts against the same budget.
+- Rate limits per tenant: requests and tokens per minute, sliding windows in Redis (the
+  `limits` library: tidegate/ratelimit.py), so every API replica counts against the same
+  budget; a job is charged prompt plus max_tokens, and its worker gives back the
+  max_tokens it did not generate when the job ends.
+- A monthly token budget per tenant: the month's tokens as the usage ledger counts them
+  (store/usage.py), read at most every USAGE_FRESH_S per tenant (MonthUsage); spent, a
+  submit is refused with 429 `quota_exceeded` until the month ends.
 - Queue depth per lane: the messages waiting in the lane's pool queues (counted anyway,
   for the router). Jobs below the lane's default priority meet a lower bound, so under a
   flood the least urgent are shed first and the lane keeps room for its normal and
@@ -23,34 +28,121 @@ number of admission threads. They are load bounds, not quotas.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, date, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from api.errors import ApiError, over_limit
-from tidegate import keys
+from tidegate import keys, ratelimit
 from tidegate.lanes import Lane
 
 if TYPE_CHECKING:  # api.auth reads the HTTP request: api/submit.py charges without FastAPI
     from api.auth import Tenant
 
 
-def charge(client: Any, namespace: str, tenant: Tenant, tokens: int) -> None:
-    """Counts one request of `tokens` (prompt plus max_tokens) or raises 429."""
-    now = time.time()
-    minute, retry_after = int(now // 60), 60 - int(now % 60)
+def _limits(tenant: Tenant, tokens: int) -> list[tuple[str, int, int]]:
+    """The tenant's per-minute limits: (kind, limit, what this request costs)."""
+    out = []
     if tenant.requests_per_minute is not None:
-        key = keys.rate_window(namespace, tenant.id, minute, "requests")
-        if _add(client, key, 1) > tenant.requests_per_minute:
-            raise _limited(f"at most {tenant.requests_per_minute} requests per minute",
-                           retry_after)
+        out.append((ratelimit.REQUESTS, tenant.requests_per_minute, 1))
     if tenant.tokens_per_minute is not None:
-        key = keys.rate_window(namespace, tenant.id, minute, "tokens")
-        if _add(client, key, tokens) > tenant.tokens_per_minute:
-            client.decrby(key, tokens)  # a refused request spends no token budget
-            raise _limited(f"at most {tenant.tokens_per_minute} tokens per minute "
-                           f"(prompt plus max_tokens)", retry_after)
+        out.append((ratelimit.TOKENS, tenant.tokens_per_minute, tokens))
+    return out
+
+
+def charge(limiter: ratelimit.RateLimits, tenant: Tenant, tokens: int) -> dict[str, str]:
+    """Counts one request of `tokens` (prompt plus max_tokens) or raises 429; the
+    x-ratelimit-* headers of the tenant's limits as they then stand (none without limits).
+    A request the token limit refuses has counted against the request limit (a request
+    made), not the token one."""
+    charged = _limits(tenant, tokens)
+    for kind, limit, cost in charged:
+        if not limiter.hit(kind, tenant.id, limit, cost):
+            raise _limited(limiter, tenant, kind, limit)
+    return rate_headers({kind: limiter.window(kind, tenant.id, limit)
+                         for kind, limit, _ in charged})
+
+
+def rate_headers(windows: dict[str, ratelimit.Window]) -> dict[str, str]:
+    """OpenAI's rate limit headers (x-ratelimit-limit-requests, ...-remaining-tokens,
+    ...-reset-tokens as `6m0s`), for the limits in `windows`."""
+    headers = {}
+    for kind, window in windows.items():
+        headers[f"x-ratelimit-limit-{kind}"] = str(window.limit)
+        headers[f"x-ratelimit-remaining-{kind}"] = str(window.remaining)
+        headers[f"x-ratelimit-reset-{kind}"] = ratelimit.duration(window.reset_s)
+    return headers
+
+
+def _limited(limiter: ratelimit.RateLimits, tenant: Tenant, kind: str, limit: int) -> ApiError:
+    windows = {k: limiter.window(k, tenant.id, lim) for k, lim, _ in _limits(tenant, 0)}
+    # The whole window's reset is the honest bound: how much frees sooner depends on the
+    # charges in it, which the counters do not keep apart.
+    retry_after = max(1, math.ceil(windows[kind].reset_s))
+    what = ("prompt plus max_tokens " if kind == ratelimit.TOKENS else "") + kind
+    return ApiError(429, None, f"rate limit: this API key may send {limit} {what} per "
+                    f"minute; retry in {retry_after} s", kind="rate_limited",
+                    headers={"Retry-After": str(retry_after), **rate_headers(windows)})
+
+
+USAGE_FRESH_S = 2.0  # how old a tenant's month of usage may be when a submit reads it
+
+
+def check_budget(tenant: Tenant, used: Callable[[int], int]) -> None:
+    """Raises 429 `quota_exceeded` when the tenant's month (UTC) of tokens, `used(id)`, has
+    reached its monthly_token_budget; the retry hint is the next month's start."""
+    budget = tenant.monthly_token_budget
+    if budget is None:
+        return
+    spent = used(tenant.id)
+    if spent >= budget:
+        # x-should-retry: false, as api/files.py's quotas: the openai SDK retries a 429, and
+        # waiting seconds frees nothing here.
+        raise ApiError(429, None, f"quota exceeded: this API key's tenant has used {spent} "
+                       f"of its {budget} tokens this month (UTC); it may submit again next "
+                       f"month, or when an admin raises monthly_token_budget",
+                       kind="quota_exceeded",
+                       headers={"Retry-After": str(_to_next_month_s()),
+                                "x-should-retry": "false"})
+
+
+def month_start(today: date) -> date:
+    return today.replace(day=1)
+
+
+def _to_next_month_s() -> int:
+    now = datetime.now(UTC)
+    first = month_start(now.date())
+    following = (first + timedelta(days=32)).replace(day=1)
+    start = datetime(following.year, following.month, 1, tzinfo=UTC)
+    return max(1, math.ceil((start - now).total_seconds()))
+
+
+class MonthUsage:
+    """A tenant's tokens this month (UTC), as `read(tenant_id, first_day)` (the ledger)
+    says, read at most every `fresh_s` per tenant: a budget errs by what ended in that
+    time (and by the jobs in flight, counted when they end), which a budget of tokens per
+    month can take; a read per submit cannot be."""
+
+    def __init__(self, read: Callable[[int, date], int], fresh_s: float = USAGE_FRESH_S) -> None:
+        self._read = read
+        self._fresh_s = fresh_s
+        self._lock = threading.Lock()
+        self._known: dict[int, tuple[float, date, int]] = {}  # tenant -> (at, month, tokens)
+
+    def get(self, tenant_id: int) -> int:
+        now, month = time.monotonic(), month_start(datetime.now(UTC).date())
+        with self._lock:
+            read_at, known_month, tokens = self._known.get(tenant_id, (-1e9, month, 0))
+        if now - read_at <= self._fresh_s and known_month == month:
+            return tokens
+        tokens = self._read(tenant_id, month)
+        with self._lock:
+            self._known[tenant_id] = (now, month, tokens)
+        return tokens
 
 
 async def check_upload_budget(client: Any, namespace: str, tenant_id: int,
@@ -76,19 +168,6 @@ async def charge_upload(client: Any, namespace: str, tenant_id: int, read: int) 
     pipe.incrby(key, read)
     pipe.expire(key, keys.RATE_WINDOW_TTL_S)
     await pipe.execute()
-
-
-def _add(client: Any, key: str, amount: int) -> int:
-    pipe = client.pipeline(transaction=True)
-    pipe.incrby(key, amount)
-    pipe.expire(key, keys.RATE_WINDOW_TTL_S)
-    return int(pipe.execute()[0])
-
-
-def _limited(what: str, retry_after: int) -> ApiError:
-    return ApiError(429, None, f"rate limit: this API key may send {what}; retry in "
-                    f"{retry_after} s", kind="rate_limited",
-                    headers={"Retry-After": str(retry_after)})
 
 
 RETRY_AFTER_FULL_S = 5  # a full lane drains, or a tenant's jobs end, in seconds at a peak

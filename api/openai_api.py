@@ -293,6 +293,8 @@ def error_body(exc: ApiError) -> tuple[int, dict[str, Any]]:
     (tidegate's jobs API answers 422 where the value has the right shape)."""
     status = 400 if exc.status == 422 else exc.status
     kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    if exc.kind == "quota_exceeded":
+        kind = "insufficient_quota"  # OpenAI's type for a spent budget (429 too)
     code = {401: "invalid_api_key"}.get(status, exc.kind)
     return status, {"error": {"message": exc.message, "type": kind, "param": exc.field,
                               "code": code}}

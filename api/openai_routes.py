@@ -122,7 +122,7 @@ async def _complete(deps: Deps, request: Request, tenant: Tenant,
             give_back()
         raise
     answer = Answer.of(accepted.job_id, req, resolved.tier, resolved.default_max_tokens)
-    headers = _headers(accepted.job_id, resolved)
+    headers = {**_headers(accepted.job_id, resolved), **accepted._rate_limits}
     keep = deps.settings.lanes[accepted.lane].keep_on_disconnect
     watch = _Watch(deps, accepted.job_id, tenant.id, keep)
     if give_back is not None:
@@ -224,7 +224,7 @@ async def _whole(watch: _Watch, request: Request, answer: Answer) -> dict[str, A
 def _answer(answer: Answer, row: Any, events: list[Event]) -> dict[str, Any]:
     """The answer from the job's events (every choice, logprobs, tool calls) when they are
     all there, else from its row (choice 0's text alone)."""
-    failed = _row_error(row)
+    failed = _row_error(row) or _event_error(events)
     if failed is not None:
         raise job_error(failed)
     choices = collect(events, answer.n)
@@ -245,6 +245,16 @@ def _row_error(row: Any) -> dict[str, Any] | None:
     if row.status in (JobStatus.ERROR, JobStatus.EXPIRED):
         code = "deadline_exceeded" if row.status == JobStatus.EXPIRED else "job_failed"
         return {"code": code, "message": row.error or "the job failed"}
+    return None
+
+
+def _event_error(events: list[Event]) -> dict[str, Any] | None:
+    """A cancelled job's end as its terminal event tells it, as the streamed answer reads
+    it (`_ending`): the row read just after may not show the cancel yet."""
+    end = next((e for e in reversed(events) if e.terminal), None)
+    if end is not None and end.kind == "done" and end.data.get("finish_reason") == "cancelled":
+        return {"code": CANCELLED, "message": "the job was cancelled before it ended "
+                "(DELETE /v1/jobs/{id})"}
     return None
 
 

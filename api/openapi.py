@@ -47,7 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.routing import BaseRoute, Match
 
-from api import openapi_admin, openapi_openai
+from api import openapi_admin, openapi_openai, openapi_usage
 from api.errors import ApiError
 from api.openai_api import error_body
 from api.openai_routes import is_openai_path
@@ -111,6 +111,7 @@ PARAMETERS = {
     "limit": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 100},
     **openapi_openai.PARAMETERS,
     **openapi_admin.PARAMETERS,
+    **openapi_usage.PARAMETERS,
 }
 LIST_PARAMETERS = ("status", "lane", "session_id", "created_after", "after", "limit")
 
@@ -193,10 +194,11 @@ def document(app: FastAPI, lanes: Mapping[str, Lane], settings: Settings) -> Jso
     doc = get_openapi(title=app.title, version=app.version, routes=every_route(app.routes))
     doc["components"] = {
         "schemas": (_schemas(lanes) | openapi_openai.schemas(settings, lanes)
-                    | openapi_admin.schemas(settings)),
+                    | openapi_admin.schemas(settings) | openapi_usage.schemas()),
         "securitySchemes": SECURITY_SCHEMES,
     }
-    contracts = _operations() | openapi_openai.operations() | openapi_admin.operations()
+    contracts = (_operations() | openapi_openai.operations() | openapi_admin.operations()
+                 | openapi_usage.operations())
     for path, methods in doc["paths"].items():
         for method, operation in methods.items():
             if (path, method) not in contracts:

@@ -13,7 +13,15 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from api.errors import ApiError, malformed
 from api.openai_tools import ResponseFormat, Tool, ToolChoice
@@ -167,6 +175,10 @@ def _field_error(exc: ValidationError) -> ApiError:
 
 
 class JobAccepted(BaseModel):
+    # The x-ratelimit-* headers of the submit's charge (api/limits.py), for the OpenAI
+    # routes' answer: never in the body.
+    _rate_limits: dict[str, str] = PrivateAttr(default_factory=dict)
+
     job_id: str
     status: str
     lane: str

@@ -21,7 +21,13 @@ were a seventh).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,8 +37,12 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from tidegate.logs import QuietRefusals
 
+log = logging.getLogger("tidegate.api")
 ACCESS = logging.getLogger("uvicorn.access")
 ACCESS_FORMAT = '%s - "%s %s HTTP/%s" %d'  # uvicorn's own
+# The server's own `send`, under every middleware's: an SSE stream's frames go straight to
+# it (api/deps.py EventStream), its head and its end through them all.
+SERVER_SEND = "tidegate.server_send"
 
 
 class AccessLog:
@@ -52,6 +62,7 @@ class AccessLog:
                 self.log(scope, message["status"])
             await send(message)
 
+        scope[SERVER_SEND] = send
         await self.app(scope, receive, logged)
 
     def log(self, scope: Scope, status: int) -> None:
@@ -118,7 +129,10 @@ class OneWriteProtocol(HttpToolsProtocol):
         super().connection_made(joined)  # type: ignore[arg-type]
 
 
-def serve(app: ASGIApp, host: str, port: int, log_level: str, quiet: QuietRefusals) -> None:
+def serve(app: ASGIApp, host: str, port: int, log_level: str, quiet: QuietRefusals,
+          sock: socket.socket | None = None) -> None:
+    """Serves `app` on host:port, or on `sock` (a socket `listening` made, handed down by
+    `run_processes`)."""
     import uvicorn
 
     # log_config=None: uvicorn's loggers stay as the caller's setup_logging left them.
@@ -126,4 +140,103 @@ def serve(app: ASGIApp, host: str, port: int, log_level: str, quiet: QuietRefusa
                             log_level=log_level, access_log=False, http=OneWriteProtocol)
     # access_log=False also cut uvicorn.access off the root handler; AccessLog writes there.
     ACCESS.propagate = True
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
+
+
+# -- several API processes on one port (`tidegate api --workers N`) --------------------
+#
+# One API process is one event loop under one GIL: past its CPU it is the cap, however
+# many cores the node has. N processes each listen on a socket of their own bound to the
+# same port (SO_REUSEPORT), and the kernel spreads new connections over them evenly (a
+# single socket shared by N processes wakes them all per connection, and the one that
+# wins is not the least loaded). Everything they must agree on is already shared: rate
+# limits in Redis, jobs in flight in the store; each applies the admission order
+# (api/admission.py) to what it holds itself, and its SSE caps are its own (per process).
+
+# A child that dies sooner than this after its start is not restarted: a bad setting or
+# an unreachable dependency at start is not mended by starting again, and a loop of
+# restarts would hide it. The supervisor stops the others and exits with its code.
+START_GRACE_S = 10.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def listening(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` listening sockets on host:port (port 0: the first one's free port), each
+    with SO_REUSEPORT, for one process each."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind(address)
+            address = sock.getsockname()  # the same port for the next (port 0 given)
+            sock.listen(2048)  # uvicorn's backlog
+            sock.set_inheritable(True)
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
+def run_processes(argv_of: Callable[[int], list[str]], socks: list[socket.socket]) -> int:
+    """One child process per socket (`argv_of(its fd)`), until SIGTERM, SIGINT or SIGHUP,
+    which each child gets as SIGTERM (uvicorn's graceful stop); returns once all have
+    exited. A child that dies on its own after START_GRACE_S is started again on its socket
+    (the parent keeps every socket open, so connections to a restarting child wait in its
+    queue); one that dies sooner stops them all. Each child also gets SIGTERM from the
+    kernel if this process dies without passing it on (PR_SET_PDEATHSIG)."""
+    children: dict[int, tuple[subprocess.Popen[bytes], socket.socket, float]] = {}
+    stopping: list[int] = []  # the exit code once stopping
+
+    def start(sock: socket.socket) -> None:
+        child = subprocess.Popen(argv_of(sock.fileno()), pass_fds=[sock.fileno()],
+                                 preexec_fn=_die_with_parent,  # safe: this process has no threads
+                                 process_group=0)  # a terminal's Ctrl-C reaches this one only
+        children[child.pid] = (child, sock, time.monotonic())
+
+    def stop(signum: int, _frame: Any) -> None:
+        if not stopping:
+            stopping.append(0)
+        _signal_all(children, signal.SIGTERM)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, stop)
+    for sock in socks:
+        start(sock)
+    while children:
+        pid, status = os.wait()  # resumed after a signal's handler (PEP 475)
+        if pid not in children:
+            continue
+        child, sock, started = children.pop(pid)
+        code = child.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+        if stopping:
+            continue
+        if time.monotonic() - started < START_GRACE_S:
+            log.error("API process %d exited %d %.1f s after its start: stopping the others",
+                      pid, code, time.monotonic() - started)
+            stopping.append(code or 1)
+            _signal_all(children, signal.SIGTERM)
+            continue
+        log.warning("API process %d exited %d: starting another in its place", pid, code)
+        start(sock)
+    return stopping[0] if stopping else 0
+
+
+def _signal_all(children: dict[int, Any], sig: int) -> None:
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the parent dies (Linux), so that no API
+    process outlives a supervisor that was SIGKILLed."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

@@ -8,7 +8,8 @@ Checks come before effects, so a refused request changed nothing:
              only (4xx)
     replay   a known idempotency key answers with its job: not charged, not routed,
              nothing published (200)
-    bound    the lane's queue depth and the tenant's jobs in flight (429, api/limits.py)
+    bound    the lane's queue depth, the tenant's jobs in flight and its monthly token
+             budget (429, api/limits.py)
     route    the pure router picks a queue from the fleet and the backlogs (503 or 4xx)
     charge   the tenant's rate limits (429)
     persist  the job row, with its task's payload, and the session's turn, in one
@@ -41,7 +42,7 @@ from tasks import webhooks
 from tasks.app import push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import capabilities as cap
-from tidegate import hot, keys, tracing
+from tidegate import hot, keys, ratelimit, tracing
 from tidegate.lanes import Lane, pool_queue, redis_priority
 from tidegate.settings import Settings
 
@@ -61,6 +62,8 @@ class SubmitDeps(Protocol):
     metrics: ApiMetrics
     in_flight: limits.InFlightCounts
     backlogs: limits.Backlogs
+    rate_limits: ratelimit.RateLimits  # per-minute limits, on Redis
+    month_usage: limits.MonthUsage  # tokens this month, per tenant (the usage ledger)
 
     def fleet(self) -> list[router.WorkerView]: ...
 
@@ -90,7 +93,7 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
     backlog = lane_backlog(deps, checked.lane)
     bound(deps, checked, backlog)
     decision = route(deps, checked, backlog)
-    charge(deps, checked)
+    rate_headers = charge(deps, checked)
     system = _system_prefix(deps, checked.req)
     job, created, payload = persist(deps, checked, decision, system)
     tracing.annotate(job_id=job.id, lane=job.lane)
@@ -98,7 +101,9 @@ def submit(deps: SubmitDeps, tenant: Tenant, req: JobRequest,
         publish(deps, checked, job, payload, system)
         deps.in_flight.admitted(tenant.id)
         deps.backlogs.queued(job.queue)
-    return _accepted(job, created)
+    accepted = _accepted(job, created)
+    accepted._rate_limits = rate_headers
+    return accepted
 
 
 # -- check: reads only ---------------------------------------------------------------
@@ -211,6 +216,7 @@ def bound(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> None:
                              sum(backlog.values()))
     limits.check_in_flight(deps.in_flight.get(checked.tenant.id),
                            deps.settings.max_in_flight_per_tenant)
+    limits.check_budget(checked.tenant, deps.month_usage.get)
 
 
 def route(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> router.Route:
@@ -228,9 +234,12 @@ def route(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> router
         raise unavailable(str(exc)) from None
 
 
-def charge(deps: SubmitDeps, checked: Checked) -> None:
+def charge(deps: SubmitDeps, checked: Checked) -> dict[str, str]:
+    """The tenant's per-minute limits charged (429 when over); OpenAI's x-ratelimit-*
+    headers as they then stand. The worker that ends the job gives back the max_tokens it
+    did not generate (workers/runner.py, tidegate/ratelimit.py)."""
     tokens = checked.prompt_tokens + checked.req.max_tokens
-    limits.charge(deps.sync_redis, deps.settings.namespace, checked.tenant, tokens)
+    return limits.charge(deps.rate_limits, checked.tenant, tokens)
 
 
 # -- persist, publish: the effects ---------------------------------------------------

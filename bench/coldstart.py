@@ -3,9 +3,12 @@
 - cold start: a worker process is started, and a job is submitted as soon as the API
   accepts one for the lane; measured from the process start to the first token served.
 - standby activation: a worker started with `--standby` has loaded and warmed its engine
-  but consumes no lane queue; the scheduler's `activate` (warm the lane's prompts,
-  `add_consumer`, verify with `active_queues()`) runs, then a job is submitted; measured
-  from the activation call to the first token served.
+  but consumes no lane queue; the scheduler's `activate` (warm the lane's prompts, which
+  the worker skips while they are still cached; `tidegate_consume`, confirmed by the
+  heartbeat the worker writes and announces once it consumes the queue) runs, then a job
+  is submitted; measured from the activation call to the first token served. The API
+  routes to the worker as soon as it announces itself (api/fleet.py), not at its next
+  heartbeat.
 
 Writes bench/results/coldstart.{md,png,json}; the last stdout line is the JSON with
 "activation_speedup" (cold / standby, medians).
@@ -136,12 +139,13 @@ def report(cold: list[float], warm: list[float], wall_s: float) -> int:
         ["path", "runs", "median to first token (s)", "min (s)", "max (s)"],
         [["cold start (process start)", str(len(cold)), fmt(median(cold), 2),
           fmt(min(cold), 2), fmt(max(cold), 2)],
-         ["standby activation (add_consumer)", str(len(warm)), fmt(median(warm), 2),
+         ["standby activation (tidegate_consume)", str(len(warm)), fmt(median(warm), 2),
           fmt(min(warm), 2), fmt(max(warm), 2)],
          ["speedup (cold / standby)", "", fmt(speedup, 1), "", ""]])
     setup = {**machine(), "model": "data/models/tidegate-test", "lane": LANE,
-             "what activation includes": "warm the lane's prompts, add_consumer, verify "
-             "with active_queues(), submit, first token", "wall time (s)": round(wall_s, 1)}
+             "what activation includes": "warm the lane's prompts (skipped while cached), "
+             "tidegate_consume, the worker's announced heartbeat, submit, first token",
+             "wall time (s)": round(wall_s, 1)}
     write_report(RESULTS / "coldstart.md", "Cold start against standby activation", table,
                  setup)
     _plot(cold, warm)

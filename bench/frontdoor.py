@@ -34,6 +34,11 @@ loop). Same clock everywhere (time.time()).
     .venv/bin/python bench/frontdoor.py --levels 64,256
     .venv/bin/python bench/frontdoor.py --levels 64,256 --profile paced
     .venv/bin/python bench/frontdoor.py --levels 256 --profile paced --spread 0.5
+    .venv/bin/python bench/frontdoor.py --levels 256 --profile instant --workers 1
+
+`worker_max_tokens_per_s` = 1e6 / (worker + engine thread CPU us per token): what one
+worker process (one GIL) carries at most. With `--profile instant --workers 1` the engine
+takes no modelled time: one worker's own cost alone.
 
 Writes bench/results/frontdoor.{md,png,json} (frontdoor-<profile>[-spread<percent>].* for
 another sim profile or a spread); the last stdout line is the JSON summary.
@@ -112,8 +117,12 @@ UNCAPPED = {"TIDEGATE_MAX_IN_FLIGHT_PER_TENANT": "1000000",
             "TIDEGATE_MAX_ADMISSION_WAITING": "1000000",
             "TIDEGATE_SSE_MAX_STREAMS": "100000",
             "TIDEGATE_SSE_MAX_STREAMS_PER_TENANT": "100000"}
+# Figures the JSON's top level carries beside the bars' (issue 29: what one worker carries).
+HEADLINE_KEYS = ("worker_cpu_ms_per_job", "worker_cpu_us_per_token_beyond_job",
+                 "worker_max_tokens_per_s", "engine_cpu_us_per_token")
 # The issue's bars (shown beside the figures, not asserted): key -> (bar, "min"/"max").
-BARS = {"admit_jobs_per_s": (500.0, "min"), "api_cpu_ms_per_job": (2.0, "max"),
+BARS = {"admit_jobs_per_s": (500.0, "min"), "api_cpu_ms_per_job": (1.0, "max"),
+        "api_cpu_us_per_token": (15.0, "max"),  # issue 29
         "worker_cpu_us_per_token": (50.0, "max"), "queue_ttft_p50_ms": (10.0, "max"),
         "queue_ttft_p99_ms": (50.0, "max"), "delivery_lag_p99_ms": (50.0, "max")}
 
@@ -666,6 +675,10 @@ def stream_figures(s: StreamResult, published: Mapping[str, Mapping[int, tuple[s
         "worker_cpu_us_per_token": ratio(cpu.worker_s * 1e6, written),
         "worker_cpu_s_stream": cpu.worker_s, "worker_tokens_in_window": written,
         "engine_cpu_us_per_token": ratio(cpu.engine_s * 1e6, written),
+        # What one worker process can carry, its engine client's thread included: one
+        # process, one GIL (DESIGN.md "Scale").
+        "worker_max_tokens_per_s": ratio(1e6, ratio(cpu.worker_s * 1e6, written)
+                                         + ratio(cpu.engine_s * 1e6, written)),
         "api_cpu_us_per_token": ratio(cpu.api_s * 1e6, received),
         "redis_cpu_us_per_token": ratio(cpu.redis_s * 1e6, written),
         "api_cpu_share_stream": cpu.api_s / w.seconds,
@@ -789,6 +802,8 @@ ROWS: list[Row] = [
     ("  of which beyond each job's fixed cost (us, estimate)",
      "worker_cpu_us_per_token_beyond_job", 1),
     ("engine thread CPU per token (us)", "engine_cpu_us_per_token", 1),
+    ("one worker's ceiling, 1e6 / (worker + engine us per token) (tokens/s)",
+     "worker_max_tokens_per_s", 0),
     ("API CPU per delivered token (us)", "api_cpu_us_per_token", 1),
     ("Redis CPU per token (us)", "redis_cpu_us_per_token", 1),
     ("queue TTFT p50 (ms)", "queue_ttft_p50_ms", 1),
@@ -970,7 +985,9 @@ def report(cfg: Config, by_level: dict[int, dict[str, Any]], wall_s: float) -> d
     plot(RESULTS / f"{cfg.name}.png", by_level)
     head = by_level.get(HEADLINE) or by_level[min(by_level, key=lambda n: abs(n - HEADLINE))]
     out = {"benchmark": "frontdoor", "headline_concurrency": head["concurrency"],
-           **{key: head[key] for key in BARS}, "bars": {k: list(v) for k, v in BARS.items()},
+           **{key: head[key] for key in BARS},
+           **{key: head[key] for key in HEADLINE_KEYS},
+           "bars": {k: list(v) for k, v in BARS.items()},
            "by_concurrency": {str(n): f for n, f in sorted(by_level.items())},
            "setup": setup, "wall_s": round(wall_s, 1)}
     write_json(RESULTS / f"{cfg.name}.json", out)

@@ -1,8 +1,15 @@
 """Steering workers through Celery control commands.
 
 Celery's `add_consumer` answers before the change is applied and is forgotten when a
-worker restarts, so every change here is verified with `inspect().active_queues()` and
-recorded as the desired state in Redis; `reconcile` re-applies that record.
+worker restarts, so every change here is verified and recorded as the desired state in
+Redis; `reconcile` re-applies that record.
+
+An activation is verified by the worker itself, once the queue is consumed: its command
+(`tidegate_consume`, workers/celery_hooks.py) writes a heartbeat whose `consuming` names
+the queue and publishes its name on the fleet channel, which the scheduler waits on here
+and the API's routers follow (api/fleet.py). One control round trip and one message, not
+a poll of `inspect().active_queues()` nor a heartbeat period; `active_queues()` remains
+the check when no such message comes (a worker without the command, a lost message).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 from celery import Celery
 
 from tidegate import keys
-from tidegate.fleet import read_fleet
+from tidegate.fleet import FleetEvents, read_fleet
 from tidegate.lanes import pool_queue
 from tidegate.records import WorkerState
 from tidegate.settings import Settings
@@ -24,6 +31,8 @@ from tidegate.settings import Settings
 log = logging.getLogger("tidegate.scheduler")
 
 CONTROL_TIMEOUT_S = 5.0
+ANNOUNCE_WAIT_S = 2.0  # the worker's fleet message, before `active_queues()` is asked
+VERIFY_POLL_S = 0.05  # between `active_queues()` checks
 
 
 @dataclass(frozen=True)
@@ -51,16 +60,34 @@ def consumes(app: Celery, worker: str, queue: str) -> bool:
     return any(q["name"] == queue for q in (replies or {}).get(worker, []))
 
 
-def add_consumer(app: Celery, worker: str, queue: str, verify_s: float = 10.0) -> bool:
-    """`add_consumer`, then `active_queues()` until the worker shows the queue: the
-    control reply comes before the consumer is really added."""
-    app.control.add_consumer(queue, destination=[worker], reply=True, timeout=CONTROL_TIMEOUT_S)
+def add_consumer(app: Celery, client: Any, settings: Settings, worker: str, queue: str,
+                 verify_s: float = 10.0) -> bool:
+    """Makes the worker consume `queue`; True once it is seen to. The control reply comes
+    before the consumer is really added: the worker's fleet message says when it is (its
+    heartbeat's `consuming`), else `active_queues()`, asked until `verify_s`."""
     end = time.monotonic() + verify_s
-    while time.monotonic() < end:
+    with FleetEvents(client, settings.namespace) as events:  # subscribed before the command
+        replies = app.control.broadcast("tidegate_consume", arguments={"queue": queue},
+                                        destination=[worker], reply=True,
+                                        timeout=CONTROL_TIMEOUT_S)
+        if _answered_ok(replies, worker):
+            hb = events.wait(worker, lambda hb: queue in hb.consuming,
+                             min(ANNOUNCE_WAIT_S, verify_s))
+            if hb is not None:
+                return True
+        else:  # a worker that lacks the command (an older version): Celery's own
+            app.control.add_consumer(queue, destination=[worker], reply=True,
+                                     timeout=CONTROL_TIMEOUT_S)
+    while True:
         if consumes(app, worker, queue):
             return True
-        time.sleep(0.2)
-    return False
+        if time.monotonic() >= end:
+            return False
+        time.sleep(VERIFY_POLL_S)
+
+
+def _answered_ok(replies: list[dict[str, Any]] | None, worker: str) -> bool:
+    return any(isinstance(r.get(worker), dict) and r[worker].get("ok") for r in replies or [])
 
 
 def activate(app: Celery, client: Any, settings: Settings, worker: str, lane: str, pool: str,
@@ -78,7 +105,7 @@ def activate(app: Celery, client: Any, settings: Settings, worker: str, lane: st
         app.control.broadcast("tidegate_warm", arguments={
             "prompts": list(warm_prefixes or []), "system_prompts": list(warm_prompts or [])},
             destination=[worker], reply=True, timeout=120)
-    ok = add_consumer(app, worker, queue)
+    ok = add_consumer(app, client, settings, worker, queue)
     log.info("activate %s on %s: %s", worker, queue, "verified" if ok else "not confirmed")
     return ok
 
@@ -120,7 +147,7 @@ def reconcile(app: Celery, client: Any, settings: Settings) -> list[str]:
             continue
         consuming = want.queue in hb.consuming
         if want.state == WorkerState.ACTIVE and not consuming:
-            ok = add_consumer(app, hb.name, want.queue)
+            ok = add_consumer(app, client, settings, hb.name, want.queue)
             actions.append(f"re-activated {hb.name} on {want.queue}"
                            + ("" if ok else " (not confirmed yet)"))
         elif want.state == WorkerState.STANDBY and consuming:

@@ -17,7 +17,7 @@ import secrets
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -79,6 +79,7 @@ from store.records import (
     session_record,
     tenant_record,
 )
+from store.usage import meter, metered_end
 
 # Resolved from this file, so it works from any cwd and from an installed package.
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
@@ -161,6 +162,7 @@ def _end_locked(conn: Connection, job: dict[str, Any], status: str, end: datetim
         return False, row_job_record(job)
     was_open = job["finished_at"] is None
     active = job["status"] in ACTIVE_STATUSES
+    before = dict(job)
     changes: dict[str, Any] = {name: value for name, value in values.items()
                                if value is not None and (active or job[name] is None)}
     if job["first_token_at"] is None and first["first_at"] is not None:
@@ -174,6 +176,7 @@ def _end_locked(conn: Connection, job: dict[str, Any], status: str, end: datetim
         changes["status"] = status
     job.update(changes)
     conn.execute(update(_JOBS).where(_JOBS.c.id == job["id"]).values(**changes))
+    meter(conn, before, job)  # the usage ledger, in the end's transaction (store/usage.py)
     if was_open and job["callback_url"]:
         conn.execute(insert(_WEBHOOK_DELIVERIES).values(
             **_webhook_outbox_row(job["id"], job["tenant_id"], job["callback_url"])))
@@ -394,8 +397,9 @@ _END_RUNNING = (
     )
     .returning(*_JOB_COLUMNS)
 )
-# The usual end, of a job with no webhook to put in the outbox with it: one statement.
-_END_RUNNING_ALONE = _END_RUNNING.where(_JOBS.c.callback_url.is_(None))
+# The usual end, of a job with no webhook to put in the outbox with it: one statement,
+# with its usage ledger row (PostgreSQL: a data-modifying CTE, store/usage.py).
+_END_RUNNING_ALONE = metered_end(_END_RUNNING.where(_JOBS.c.callback_url.is_(None)))
 _COUNT_IN_FLIGHT = (select(func.count()).select_from(_JOBS)
                     .where(_JOBS.c.tenant_id == bindparam("tenant_id"),
                            _JOBS.c.status.in_(ACTIVE_STATUSES)))
@@ -794,13 +798,14 @@ class Store:
                   "completion_tokens": completion_tokens, "error": error,
                   "tpot": _tpot_ms(_aware(first_token_at), end, completion_tokens), **first}
         if self._hot is not None:
-            rows = self._hot.rows(_END_RUNNING_ALONE, params)
+            rows = self._hot.rows(_END_RUNNING_ALONE, {**params, "day": end.date()})
             if rows:
                 return row_job_record(rows[0])
         with self._write_conn() as conn:
             row = conn.execute(_END_RUNNING, params).mappings().one_or_none()
             if row is None:
                 return None
+            meter(conn, None, row)  # a running job had not ended: all its usage is new
             if row["callback_url"]:  # a running job has not ended before: its one webhook
                 conn.execute(insert(_WEBHOOK_DELIVERIES).values(
                     **_webhook_outbox_row(job_id, row["tenant_id"], row["callback_url"])))
@@ -826,7 +831,10 @@ class Store:
             if ends_here:
                 _ended(session, job)
             session.flush()
-            return job_record(job)
+            record = job_record(job)
+            if ends_here:
+                meter(session.connection(), None, asdict(record))
+            return record
 
     def count_in_flight(self, tenant_id: int) -> int:
         """The tenant's queued and running jobs: two ranges of ix_jobs_tenant_id_status,
@@ -851,6 +859,8 @@ class Store:
                 return False
             job.status, job.finished_at, job.payload = EXPIRED, utcnow(), None
             _ended(session, job)
+            session.flush()
+            meter(session.connection(), None, asdict(job_record(job)))
             return True
 
     def unended_jobs(self, enqueued_before: datetime, limit: int) -> list[JobRecord]:

@@ -6,12 +6,14 @@ names follow one naming convention so migrations and batch mode on SQLite can ad
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     CheckConstraint,
+    Date,
     DateTime,
     Dialect,
     Float,
@@ -95,6 +97,10 @@ class Tenant(Base):
     # the lane's default priority, so no tenant jumps ahead of a shared lane's traffic
     # unless an admin grants it (api/submit.py).
     max_priority: Mapped[int | None] = mapped_column(Integer)
+    # Tokens (prompt plus completion) the tenant may use in a calendar month (UTC), as the
+    # usage ledger counts them; None: no budget. Spent: a submit answers 429
+    # `quota_exceeded` (api/limits.py). BigInteger: a budget may pass 2**31 tokens.
+    monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class Job(Base):
@@ -345,3 +351,28 @@ class AdminKey(Base):
     key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     created_at: Mapped[datetime]
     revoked_at: Mapped[datetime | None]
+
+
+class UsageDay(Base):
+    """A tenant's usage in one lane on one day (UTC, the day its jobs ended): the tokens of
+    its ended jobs' rows and the jobs by how they ended. Written in the transaction that
+    ends a job (store/usage.py), so it equals the sum of the job rows, exactly; a retried
+    end finds its own end in the row and adds nothing. Its primary key is also the index
+    of every read (a tenant's days, a month's sum)."""
+
+    __tablename__ = "usage"
+    __table_args__ = (PrimaryKeyConstraint("tenant_id", "day", "lane"),)
+
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id"))
+    day: Mapped[date] = mapped_column(Date)
+    lane: Mapped[str] = mapped_column(String(64))
+    # Prompt tokens of the jobs a worker took (a job ended before any worker took it was
+    # never prefilled: it counts as a job, with no tokens).
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # Of those, served from the engine's prefix cache (vLLM's count).
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    jobs_done: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    jobs_error: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    jobs_cancelled: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    jobs_expired: Mapped[int] = mapped_column(Integer, default=0, server_default="0")

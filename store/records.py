@@ -34,6 +34,7 @@ class TenantRecord:
     tokens_per_minute: int | None = None
     webhook_url: str | None = None  # the default callback_url of the tenant's jobs
     max_priority: int | None = None  # the most its jobs may ask; None: the lane's default
+    monthly_token_budget: int | None = None  # tokens a calendar month (UTC); None: no budget
 
     @property
     def active(self) -> bool:
@@ -104,6 +105,7 @@ def tenant_record(tenant: Tenant) -> TenantRecord:
         tokens_per_minute=tenant.tokens_per_minute,
         webhook_url=tenant.webhook_url,
         max_priority=tenant.max_priority,
+        monthly_token_budget=tenant.monthly_token_budget,
     )
 
 

@@ -7,6 +7,7 @@ conftest) starts a private Redis, the database and real worker and API processes
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -50,6 +51,29 @@ def model_path() -> Path:
     from tidegate_tools.testmodel import build_test_model
 
     return build_test_model(Path(os.environ["TIDEGATE_MODEL"]))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """TIDEGATE_SHUFFLE_MODULES=<seed> (`make test-shuffled`): the test modules in an order
+    shuffled by the seed, each module's tests in their file order, so a module that
+    counts on another running before or after it fails. The order is the files' by default.
+
+    Modules only, not pytest-randomly's every level: tests of one module share its
+    module-scoped processes (a vLLM worker) in an order they are written for."""
+    seed = os.environ.get("TIDEGATE_SHUFFLE_MODULES")
+    if not seed:
+        return
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(modules)
+    random.Random(seed).shuffle(order)
+    items[:] = [item for module in order for item in modules[module]]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = os.environ.get("TIDEGATE_SHUFFLE_MODULES")
+    return f"test modules shuffled, seed {seed} (TIDEGATE_SHUFFLE_MODULES)" if seed else None
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

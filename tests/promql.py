@@ -48,6 +48,7 @@ CATALOGUE = {
     "tidegate_generation_tokens_total": "counter",
     "tidegate_jobs_finished_total": "counter",
     "tidegate_jobs_resumed_total": "counter",
+    "tidegate_usage_tokens_total": "counter",
     "tidegate_num_requests_running": "gauge",
     "tidegate_num_requests_waiting": "gauge",
     "tidegate_kv_cache_usage_perc": "gauge",

@@ -11,7 +11,11 @@ channels ignore the Redis DB number, so the prefix is what keeps two deployments
 | ``{ns}:job:{id}:cancel``       | string  | API             | ``stream_ttl_s``                  |
 | ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
 | ``{ns}:worker:{name}``         | string  | worker          | heartbeat, ``heartbeat_ttl_s``    |
-| ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | ``RATE_WINDOW_TTL_S``             |
+| ``{ns}:fleet``                 | channel | worker          | pub/sub: a worker's name, when its|
+|                                |         |                 | state changed off its beat        |
+| ``{ns}:rate:{tenant}:{min}:{k}``| counter | API             | ``RATE_WINDOW_TTL_S`` (uploads)   |
+| ``{ns}:ratelimit:{k/tenant}``  | counter | API, worker     | two minutes (and ``.../-1``): the |
+|                                |         |                 | sliding window, tidegate/ratelimit|
 | ``{ns}:desired``               | hash    | scheduler       | worker -> desired state and queue |
 | ``{ns}:lock:{name}:{period}``  | string  | scheduler,      | two periods (one beat acts; one   |
 |                                |         | worker          | worker sweeps for orphans)        |
@@ -146,6 +150,12 @@ def rate_window(ns: str, tenant_id: int, minute: int, kind: str) -> str:
     return f"{ns}:rate:{tenant_id}:{minute}:{kind}"
 
 
+def rate_limits(ns: str) -> str:
+    """The prefix of the per-minute rate limits' counters (tidegate/ratelimit.py): the
+    `limits` library names them `{prefix}:{<kind>/<tenant>}` and `.../-1`."""
+    return f"{ns}:ratelimit"
+
+
 def desired_states(ns: str) -> str:
     return f"{ns}:desired"
 
@@ -236,6 +246,12 @@ def batch_driver_lock(ns: str) -> str:
 
 
 BATCH_LOCK_S = 60  # longer than one pass over a batch; a dead holder's lock lapses
+
+
+def fleet_channel(ns: str) -> str:
+    """Pub/sub: a worker's name, published right after it wrote a heartbeat off its period
+    (an activation): routers re-read the fleet at once instead of at its next beat."""
+    return f"{ns}:fleet"
 
 
 def auth_changed_channel(ns: str) -> str:

@@ -322,6 +322,12 @@ class Settings(BaseSettings):
         2.0, gt=0,
         description="Worker heartbeat period; a worker's record and its jobs' leases live 5 "
         "periods + 1 s, at least 10 s (a cleanly stopped worker removes its record at once).")
+    # A SCAN per submit was a large share of the API's time; an activation is announced,
+    # so the cache's age only bounds how late the API sees a beat nobody announced.
+    fleet_cache_s: float = Field(
+        0.25, gt=0,
+        description="The API's routers read the workers' heartbeats again after this long; a "
+        "worker's activation is announced and seen at once.")
     # A job taken up this many times, each attempt dying with its worker, ends `poison`.
     max_attempts: int = Field(
         3, ge=1,

@@ -143,14 +143,28 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _api(args: argparse.Namespace) -> None:
-    from api.app import create_app
-    from api.server import serve
-    from tidegate.logs import QuietRefusals
+    from api import server
 
     settings = get_settings()
     _api_logging(settings)
-    serve(create_app(settings), args.host or settings.api_host, args.port or settings.api_port,
-          settings.log_level.lower(), QuietRefusals())
+    host, port = args.host or settings.api_host, args.port or settings.api_port
+    if args.socket_fd is None and args.workers > 1:
+        # The supervisor: no app of its own, only the sockets and the children, each a
+        # `tidegate api` on one of them (api/server.py).
+        from tidegate_tools.procs import tidegate_argv
+
+        socks = server.listening(host, port, args.workers)
+        sys.exit(server.run_processes(
+            lambda fd: tidegate_argv("api", "--host", host, "--port", str(port),
+                                     "--socket-fd", str(fd)), socks))
+    import socket
+
+    from api.app import create_app
+    from tidegate.logs import QuietRefusals
+
+    sock = None if args.socket_fd is None else socket.socket(fileno=args.socket_fd)
+    server.serve(create_app(settings), host, port, settings.log_level.lower(), QuietRefusals(),
+                 sock)
 
 
 # The job a request's path names (/v1/jobs/<id>, or a completion's chatcmpl-<id>).
@@ -363,6 +377,10 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("api", help="run the HTTP API")
     a.add_argument("--host", default=None)
     a.add_argument("--port", type=int, default=None)
+    a.add_argument("--workers", type=_positive, default=1,
+                   help="API processes on the one port (default 1); past one, this process "
+                   "only starts them, and stops them when it is stopped")
+    a.add_argument("--socket-fd", type=int, default=None, help=argparse.SUPPRESS)
     a.set_defaults(func=_api)
     f = sub.add_parser("flower", help="run Flower with the app, behind basic auth")
     f.add_argument("--host", default=None, help="bind address (default TIDEGATE_FLOWER_HOST)")

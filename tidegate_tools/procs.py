@@ -104,9 +104,10 @@ def redis_server_binary() -> str:
 def start_redis(port: int, log_dir: Path, replica_of: int | None = None) -> Proc:
     """A Redis on 127.0.0.1:`port`, no persistence; a replica of the one on `replica_of`."""
     # --dir: a replica's full sync writes dump.rdb there, and a start loads one found there.
-    # --databases 32: the test modules that need a database of their own each have one.
+    # --databases 64: the test modules that need a database of their own each have one
+    # (tests/unit/test_redis_dbs.py keeps them apart).
     argv = [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-            "--databases", "32",
+            "--databases", "64",
             "--appendonly", "no", "--maxmemory-policy", "noeviction", "--dir", str(log_dir)]
     if replica_of is not None:
         argv += ["--replicaof", "127.0.0.1", str(replica_of)]

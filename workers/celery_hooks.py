@@ -26,9 +26,11 @@ from tidegate import logs, tracing
 from tidegate.lanes import Lane, hosted_lanes
 from tidegate.records import RESTART_EXIT
 from tidegate.settings import get_settings
+from workers import broker
 from workers import metrics as worker_metrics
 from workers.engine import Engine, EngineConfig
 from workers.runner import REQUEUED
+from workers.warmed import Warmed
 from workers.worker import Phase, Worker, current, set_current
 
 log = logging.getLogger("tidegate.worker")
@@ -41,6 +43,7 @@ def register(app: Celery) -> None:
     """The generate task, the engine bootstep and its options, and the consumer, on this
     process's app."""
     app.task(name=GENERATE, bind=True, acks_late=True, Request=TextFreeRequest)(generate)
+    broker.install()  # kombu's per-message work, cheaper (workers/broker.py)
     app.conf.worker_consumer = f"{__name__}:{EventBatchingConsumer.__name__}"
     app.steps["worker"].add(EngineStep)
     for option in OPTIONS:  # Celery's own option parser learns `--tidegate-lane`
@@ -49,6 +52,7 @@ def register(app: Celery) -> None:
 
 
 EVENTS_FLUSH_S = 0.1  # task events wait at most this long to go out together
+EVENTS_BUFFER_LIMIT = 4096  # task events buffered before a flush that does not wait
 LOST_FLUSH_S = 1.0  # a flush this late was lost: the next event schedules another
 
 
@@ -60,6 +64,24 @@ class EventBatchingConsumer(Consumer):
     load (bench/README.md, "third round"). Flower sees an event up to 0.1 s later."""
 
     _events_flush_at: float | None = None  # when the scheduled flush runs; None: none is
+    _event_dispatcher: Any = None
+
+    @property
+    def event_dispatcher(self) -> Any:
+        return self._event_dispatcher
+
+    @event_dispatcher.setter
+    def event_dispatcher(self, dispatcher: Any) -> None:
+        # Celery's dispatcher also publishes whenever 24 task events wait (buffer_limit):
+        # under load that was a publish every 8 jobs, beside the timed flush. The timed
+        # flush alone sends them, a publish per EVENTS_FLUSH_S (EVENTS_BUFFER_LIMIT only
+        # bounds the buffer).
+        if dispatcher is not None:
+            dispatcher.buffer_limit = EVENTS_BUFFER_LIMIT
+            dispatcher.serializer = broker.EVENT_SERIALIZER  # orjson (workers/broker.py)
+            if dispatcher.producer is not None:
+                dispatcher.producer.serializer = broker.EVENT_SERIALIZER
+        self._event_dispatcher = dispatcher
 
     def on_send_event_buffered(self) -> None:
         if self.hub is None:
@@ -174,6 +196,7 @@ class EngineStep(bootsteps.StartStopStep):
 
     def stop(self, worker: Any) -> None:
         current().stop()
+        broker.ACKS.flush()  # the acks still waiting go out before the process ends
 
 
 def share_result_backend(app: Celery) -> None:
@@ -190,7 +213,17 @@ def share_result_backend(app: Celery) -> None:
 
 @worker_ready.connect
 def _ready(**_: Any) -> None:
-    current().phase = Phase.READY
+    me = current()
+    if me.pool_queue not in me.consumed():
+        # A standby worker: its lane's prompts are warm (and the tokenizer that renders
+        # them loaded) before it says standby, not at its activation (seconds on a busy
+        # host), which then finds them warm (workers/warmed.py).
+        try:
+            done = warm([], get_settings().lanes[me.lane].warm_prompts)
+            log.info("standby: the lane's prompts warmed in %.0f ms", done["ms"])
+        except Exception:  # the activation warms them all the same
+            log.exception("warming the lane's prompts in standby failed")
+    me.phase = Phase.READY
 
 
 @worker_shutting_down.connect
@@ -239,10 +272,62 @@ def tidegate_warm(state: Any, prompts: list[str] | None = None,
                   system_prompts: list[str] | None = None) -> dict[str, Any]:
     """Runs prompts through the engine so their prefixes sit in its KV cache; system
     prompts are first rendered as the start of a chat with the model's template."""
-    started = time.monotonic()
-    texts = list(prompts or []) + [render_system(p) for p in system_prompts or []]
-    current().host.warm(texts)
-    return {"ok": True, "warmed": len(texts), "ms": (time.monotonic() - started) * 1000}
+    return warm(prompts or [], system_prompts or [])
+
+
+def warm(prompts: list[str], system_prompts: list[str]) -> dict[str, Any]:
+    started, me = time.monotonic(), current()
+    texts = list(prompts) + [render_system(p) for p in system_prompts]
+    kind = me.host.engine.kind
+    todo = _warmed.missing(texts, kind, me.engine_stats())  # what is warm is not run again
+    if todo:
+        me.host.warm(todo)
+        _warmed.add(todo, kind, me.engine_stats())
+    return {"ok": True, "warmed": len(todo), "already": len(texts) - len(todo),
+            "ms": (time.monotonic() - started) * 1000}
+
+
+_warmed = Warmed()  # the prompts this process's engine warmed and still holds
+
+
+@control_command(args=[("queue", str)], signature="<queue>")
+def tidegate_consume(state: Any, queue: str) -> dict[str, Any]:
+    """Celery's `add_consumer`, and once the queue is consumed, the fleet told at once
+    (scheduler/control.py `add_consumer` waits for that, not for a heartbeat period). The
+    add runs in the consumer's loop after this reply, as Celery's own command does it."""
+    state.consumer.call_soon(_consume, state.consumer, queue)
+    return {"ok": True}
+
+
+def _consume(consumer: Any, queue: str) -> None:
+    consumer.add_task_queue(queue)
+    try:
+        wake_consumer(consumer)
+    except Exception as exc:  # CLIENT LIST refused (a managed Redis): the BRPOP times out
+        log.warning("could not wake the consumer for %s: %s", queue, exc)
+    try:
+        current().announce()
+    except Exception:  # the heartbeat says it at its next beat all the same
+        log.exception("could not announce consuming %s at once", queue)
+
+
+def wake_consumer(consumer: Any) -> None:
+    """kombu's Redis consumer waits in one BRPOP over the queues it had (up to its 1 s
+    timeout) before it sends one that names the queue just added: a job published there
+    meanwhile waits. CLIENT UNBLOCK ends that BRPOP now, as a timeout would, and kombu's
+    next one names the new queue. Its connection is found by its address; behind a proxy
+    that hides it, the BRPOP ends on its timeout as before."""
+    channel = consumer.task_consumer.channel
+    sock = getattr(getattr(channel, "_in_poll", None), "_sock", None)
+    if sock is None:  # not waiting in a BRPOP now
+        return
+    host, port = sock.getsockname()[:2]
+    with channel.conn_or_acquire() as client:
+        for entry in client.client_list(_type="normal"):
+            addr_host, _, addr_port = str(entry.get("addr", "")).rpartition(":")
+            if addr_port == str(port) and addr_host.strip("[]") == host:
+                client.client_unblock(int(entry["id"]))
+                return
 
 
 _tokenizers: dict[str, Any] = {}
@@ -265,6 +350,7 @@ def render_system(prompt: str) -> str:
 @control_command()
 def tidegate_reset_prefix_cache(state: Any) -> dict[str, Any]:
     """The cheap fix for a slow allocator: drop the cached prefixes."""
+    _warmed.forget()
     return {"ok": bool(current().host.reset_prefix_cache())}
 
 

@@ -20,12 +20,29 @@ import redis
 
 from tidegate.locks import RELEASE, RedisLock, new_token
 
+# Whether the job's stream (the key `stream`) already ends in a terminal event: then the
+# job ended, its last attempt released the lease, and a lapsed lease is not taken back (a
+# stalled attempt that wakes after another ended the job is fenced off, not let write after
+# the end). Read only when the lease is free, which is rare.
+ENDED_FUNCTION = """
+local function ended(stream)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)[1]
+  if not last then return false end
+  local fields = last[2]
+  for i = 1, #fields, 2 do
+    if fields[i] == 'k' then return fields[i + 1] == 'done' or fields[i + 1] == 'error' end
+  end
+  return false
+end
+"""
+
 # Extends the lease if it is this attempt's, or takes it back if it lapsed and no other
-# attempt took it: a worker that stalled past its lease (seconds, on a starved host) goes
-# on; only a real takeover stops it.
-RENEW = """
+# attempt took it, nor ended the job (KEYS[2], the job's stream, when given): a worker that
+# stalled past its lease (seconds, on a starved host) goes on; a takeover stops it.
+RENEW = ENDED_FUNCTION + """
 local holder = redis.call('GET', KEYS[1])
 if holder and holder ~= ARGV[1] then return 0 end
+if not holder and KEYS[2] and ended(KEYS[2]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 return 1
 """
@@ -37,8 +54,12 @@ class LeaseLost(Exception):
 
 
 class Lease:
-    def __init__(self, client: redis.Redis, key: str, worker: str, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, key: str, worker: str, ttl_s: int,
+                 stream: str | None = None) -> None:
+        """`stream`: the job's event stream; given, a lapsed lease is not taken back once
+        the stream holds the job's end (RENEW)."""
         self.r, self.key, self.ttl_s = client, key, ttl_s
+        self._keys = [key] if stream is None else [key, stream]
         # Taken and released as the one lock idiom (tidegate/locks.py); renewed by RENEW,
         # which also takes back a lease that lapsed with no other holder.
         self._lock = RedisLock(client, key, ttl_s, token=new_token(worker))
@@ -65,7 +86,12 @@ class Lease:
 
     def renew(self) -> bool:
         """True while this attempt holds the lease (extended, or taken back if free)."""
-        return bool(self._renew(keys=[self.key], args=[self.owner, self.ttl_s]))
+        return bool(self._renew(keys=self._keys, args=[self.owner, self.ttl_s]))
+
+    def renew_in(self, pipe: Any) -> None:
+        """renew() queued on a pipeline by its script's sha (the reply: 1 held, 0 another's;
+        NoScriptError when Redis does not know it, and the caller then renews itself)."""
+        pipe.evalsha(self._renew.sha, len(self._keys), *self._keys, self.owner, self.ttl_s)
 
     def release(self) -> None:
         """Deletes the lease if it is still this attempt's, never another's."""

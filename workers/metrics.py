@@ -83,6 +83,13 @@ class WorkerMetrics:
         self.poison = Counter("tidegate_poison_jobs_total", "Jobs this worker ended `error` "
                               "(code poison): taken up more than max_attempts times",
                               LABELS, registry=r)
+        # The usage ledger's tokens (store/usage.py) by lane and kind, never by tenant (a
+        # label per tenant is unbounded): the ended jobs' rows, counted by the worker that
+        # ended them. The ledger itself (GET /admin/v1/usage) is the exact, per tenant one.
+        self.usage_tokens = Counter("tidegate_usage_tokens_total", "Tokens of the jobs this "
+                                    "worker ended, as the usage ledger counts them, by kind "
+                                    "(prompt, cached, completion)", ["lane", "kind"],
+                                    registry=r)
         self.recoveries = Counter("tidegate_recoveries_total", "Dead workers' messages this "
                                   "worker's recovery sweep handed back (action: restored)",
                                   ["action"], registry=r)
@@ -128,6 +135,7 @@ class JobMetrics:
         self.m.finished.labels(*labels, status).inc()
         if job is None:
             return
+        self._usage(lane, job)
         for hist, ms in ((self.m.queue_time, job.queue_wait_ms), (self.m.ttft, job.ttft_ms),
                          (self.m.itl, job.tpot_ms)):
             if ms is not None:
@@ -135,6 +143,14 @@ class JobMetrics:
         if job.finished_at and job.enqueued_at:
             self.m.e2e.labels(*labels).observe(
                 (job.finished_at - job.enqueued_at).total_seconds())
+
+    def _usage(self, lane: str, job: Any) -> None:
+        # As the ledger counts a row: prompt tokens once a worker took the job.
+        prompt = job.prompt_tokens if job.started_at is not None else 0
+        for kind, tokens in (("prompt", prompt), ("cached", job.cached_tokens),
+                             ("completion", job.completion_tokens)):
+            if tokens:
+                self.m.usage_tokens.labels(lane, kind).inc(tokens)
 
 
 _process: WorkerMetrics | None = None

@@ -21,25 +21,28 @@ import redis
 
 from tidegate import keys
 from tidegate.events import Event
-from workers.lease import Lease, LeaseLost
+from workers.lease import ENDED_FUNCTION, RENEW, Lease, LeaseLost
 
 log = logging.getLogger("tidegate.worker")
 
 # One event's append, as a Lua function of its two keys and the offset of its ARGVs.
 # Keys: lease, stream. ARGVs (from o + 1): owner, entry id, event JSON, kind, maxlen,
 # channel, stream TTL (0: none), lease TTL, mode, write time. A lapsed lease nobody else
-# took is taken back (workers/lease.py). The entry id is the event's seq, so Redis refuses
-# a second append of one seq (the XADD error is returned, not raised: a batch goes on).
+# took is taken back (workers/lease.py), unless the stream already holds the job's end
+# (another attempt ended it: this one stalled and is fenced off). The entry id is the
+# event's seq, so Redis refuses a second append of one seq (the XADD error is returned,
+# not raised: a batch goes on).
 # Modes: "next" (an event after the first: -1 if the stream is gone), "first", "restore"
 # (an event written back: not published again on the live channel). The entry's `t` is
 # the worker's time.time() when it sent this write (seconds, a decimal string; a
 # written-back event gets the time of the write-back): readers of the event read `e` and
 # `k` only; `t` is for measuring delivery (bench/frontdoor.py). New ARGVs go at the end,
 # so the order above stays as it is, and ARGS_PER_EVENT grows with them.
-APPEND_FUNCTION = """
+APPEND_FUNCTION = ENDED_FUNCTION + """
 local function append(lease, stream, o)
   local holder = redis.call('GET', lease)
   if holder and holder ~= ARGV[o + 1] then return 0 end
+  if not holder and ended(stream) then return 0 end
   if ARGV[o + 9] == 'next' and redis.call('EXISTS', stream) == 0 then return -1 end
   if not holder then redis.call('SET', lease, ARGV[o + 1], 'EX', ARGV[o + 8]) end
   local added = redis.pcall('XADD', stream, 'MAXLEN', '~', ARGV[o + 5], ARGV[o + 2],
@@ -152,9 +155,11 @@ class EventPublisher:
 
     def load_append(self) -> None:
         """Load the append scripts into Redis (a restarted Redis has lost them): for
-        callers that send them by their sha in a pipeline (workers/streamer.py)."""
+        callers that send them by their sha in a pipeline (workers/streamer.py), with the
+        lease's renew, which the streamer sends with a job's last batch."""
         self.r.script_load(APPEND)
         self.r.script_load(APPEND_MANY)
+        self.r.script_load(RENEW)
 
     def append_call(self, event: Event, lease: Lease, mode: str) -> tuple[list[str], list[Any]]:
         """The append script's keys and arguments for one event."""

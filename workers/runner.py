@@ -29,7 +29,7 @@ import redis
 
 from store import FirstToken, Store
 from tasks.payloads import GeneratePayload
-from tidegate import keys, logs, tracing
+from tidegate import keys, logs, ratelimit, tracing
 from tidegate.events import Event
 from tidegate.records import JobStatus
 from workers import streamer
@@ -91,7 +91,7 @@ def run_job(ctx: WorkerContext, body: dict[str, Any]) -> str:
     """Run one job; returns the outcome (for logs and tests). Never raises."""
     payload = GeneratePayload.from_dict(body)
     lease = Lease(ctx.redis, keys.job_lease(ctx.namespace, payload.job_id), ctx.name,
-                  ctx.lease_ttl_s)
+                  ctx.lease_ttl_s, stream=keys.job_events(ctx.namespace, payload.job_id))
     try:
         taken, opening = _take(ctx, payload, lease)
         if not taken:
@@ -214,8 +214,11 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
     if payload.session_id:  # this worker's KV cache now holds the session's prefix
         ctx.retry(ctx.store.set_session_worker, payload.session_id, job.tenant_id, ctx.name)
     if progress.seq == 0:
-        _emit(ctx, payload.job_id, progress, "started",
-              data={"worker": ctx.name, "engine": ctx.host.engine.kind, "attempt": job.attempts})
+        started = {"worker": ctx.name, "engine": ctx.host.engine.kind, "attempt": job.attempts}
+        if _batched(ctx):  # out with the streamer's next batch, with other jobs' events
+            progress.head = Event(job_id=payload.job_id, seq=0, kind="started", data=started)
+        else:
+            _emit(ctx, payload.job_id, progress, "started", data=started)
     if (opening.cancelled if opening else
             ctx.retry(ctx.redis.exists, keys.job_cancel(ctx.namespace, payload.job_id))):
         return _end_cancelled(ctx, payload, progress)
@@ -265,7 +268,7 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
     try:
         with tracing.span("engine.generate", {"engine": ctx.host.engine.kind,
                                               "resumed_tokens": len(state.token_ids)}) as span:
-            if ctx.streamer is not None and not (ctx.hold is not None and ctx.hold.armed):
+            if _batched(ctx):
                 finish_reason = _stream_batched(ctx, payload.job_id, progress, request,
                                                 timeout_s)
             else:  # a hold armed (workers/faults.py) counts each token on this thread
@@ -281,6 +284,12 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
         return "error"
     ctx.record_job_ms((time.monotonic() - started) * 1000)
     return _end_done(ctx, payload, progress, finish_reason)
+
+
+def _batched(ctx: WorkerContext) -> bool:
+    """The job's events go out through the worker's streamer (a hold armed,
+    workers/faults.py, counts each token on the task thread)."""
+    return ctx.streamer is not None and not (ctx.hold is not None and ctx.hold.armed)
 
 
 def _stream_each(ctx: WorkerContext, job_id: str, progress: Progress,
@@ -402,8 +411,14 @@ def _on_delta(ctx: WorkerContext, job_id: str, progress: Progress, delta: Delta)
 
 def _emit(ctx: WorkerContext, job_id: str, progress: Progress, kind: Any, *, text: str = "",
           token_ids: list[int] | None = None, data: dict[str, Any] | None = None) -> None:
-    event = Event(job_id=job_id, seq=progress.seq, kind=kind, text=text,
-                  token_ids=token_ids or [], data=data or {})
+    if progress.head is not None:  # the streamer did not send `started`: it goes first
+        _publish(ctx, progress, progress.head)
+        progress.head = None
+    _publish(ctx, progress, Event(job_id=job_id, seq=progress.seq, kind=kind, text=text,
+                                  token_ids=token_ids or [], data=data or {}))
+
+
+def _publish(ctx: WorkerContext, progress: Progress, event: Event) -> None:
     # A retry after a lost reply finds its seq already appended: Redis refuses it, and
     # publish() says so instead of raising (the stream id is the seq). The attempt's last
     # event releases its lease in the same round trip.
@@ -471,15 +486,45 @@ def _finish(ctx: WorkerContext, job_id: str, progress: Progress, status: JobStat
     """The job's terminal row, written only while this attempt holds the lease: an attempt
     that was replaced must not end a job that another attempt runs. (False, row) when the
     row was already cancelled or expired (it keeps that status and gets the usage)."""
-    if not ctx.retry(progress.lease.renew):
+    if not _renewed_lately(progress) and not ctx.retry(progress.lease.renew):
         raise LeaseLost(job_id)
     first = None
     if progress.first_token_at is None and progress.first_token_out is not None:
         first = FirstToken(progress.first_token_out, progress.started_at, progress.cached_tokens)
-    return ctx.retry(ctx.store.end_job, job_id, status, output_text=progress.text,
-                     completion_tokens=progress.completion_tokens,
-                     finished_at=datetime.now(UTC), first_token_at=progress.first_token_at,
-                     first_token=first, **values)
+    ended = ctx.retry(ctx.store.end_job, job_id, status, output_text=progress.text,
+                      completion_tokens=progress.completion_tokens,
+                      finished_at=datetime.now(UTC), first_token_at=progress.first_token_at,
+                      first_token=first, **values)
+    _refund(ctx, ended[1])
+    return ended
+
+
+def _refund(ctx: WorkerContext, job: Any) -> None:
+    """The tenant's token window gets back the max_tokens the job did not generate (the
+    API charged prompt plus max_tokens; tidegate/ratelimit.py says why this is safe). Here,
+    once per job: this attempt holds its lease and just wrote its end. A refund lost to a
+    Redis error is a charge that ages out in two minutes: never a reason to fail the job."""
+    if job is None:
+        return
+    unused = ratelimit.unused_tokens(job.sampling.get("max_tokens"), job.completion_tokens)
+    try:
+        ratelimit.refund(ctx.redis, ctx.namespace, job.tenant_id, unused,
+                         job.enqueued_at.timestamp())
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("rate limit refund of job %s failed: %s", job.id, type(exc).__name__,
+                    extra={"job_id": job.id})
+
+
+RENEWED_LATELY_S = 1.0  # a lease renewed this recently needs no renew before the end
+
+
+def _renewed_lately(progress: Progress) -> bool:
+    """The streamer renewed the lease with the job's last batch of tokens, a moment ago
+    (workers/streamer.py): it is this attempt's for a lease's life from then, since another
+    attempt takes a job only once its lease expired, so the fence is as exact as a renew
+    here, and the job's end saves a round trip."""
+    at = progress.renewed_at
+    return at is not None and time.monotonic() - at < RENEWED_LATELY_S
 
 
 def _count_end(ctx: WorkerContext, status: JobStatus, job: Any, progress: Progress) -> None:

@@ -62,6 +62,9 @@ class Feed:
     cancel_key: str
     inbox: queue.SimpleQueue[tuple[str, Any]] = field(default_factory=queue.SimpleQueue)
     pending: list[Delta] = field(default_factory=list)
+    # The job's `started` event, until it is out: the streamer sends it in its next batch,
+    # with the other jobs' events (progress.head holds it until then).
+    head: Event | None = None
     end: BaseException | None = None
     ended: bool = False  # close() came; `end` holds its exception, if any
     fast: bool = True  # the streamer publishes; False: the task thread does
@@ -85,7 +88,10 @@ class _Take:
     end: BaseException | None
     delta: Delta | None = None  # the deltas merged
     event: Event | None = None  # the token event they make, if any
+    head: Event | None = None  # the job's `started` event, sent before `event`
     first: bool = False  # it carries the job's first token
+    renewed: bool = False  # the lease was renewed with it (the run's last batch)
+    renewed_at: float = 0.0
     settled: bool = False  # its answer is applied
 
 
@@ -115,9 +121,16 @@ class Streamer:
     # -- the task thread -------------------------------------------------------------
 
     def open(self, job_id: str, progress: Progress, cancel_key: str) -> Feed:
-        feed = Feed(self, job_id, progress, cancel_key)
+        """The job's feed. A `started` event the task thread left in `progress.head` goes
+        out in the streamer's next batch (else the task thread publishes it before any
+        event of its own, workers/runner.py `_emit`)."""
+        feed = Feed(self, job_id, progress, cancel_key, head=progress.head)
         with self._lock:
             self._feeds[job_id] = feed
+            if feed.head is not None:
+                self._dirty[id(feed)] = feed
+        if feed.head is not None:
+            self._wake.set()
         return feed
 
     def detach(self, feed: Feed) -> None:
@@ -182,7 +195,7 @@ class Streamer:
         except redis.RedisError as exc:
             log.warning("event batch failed (%s); its jobs publish on their own",
                         type(exc).__name__)
-            answers, cancelled = [exc] * len(takes), []
+            answers, cancelled = [[exc, exc] for _ in takes], []
         with self._lock:
             for take, answer in zip(takes, answers, strict=True):
                 self._settle(take, answer)
@@ -197,8 +210,8 @@ class Streamer:
             for feed in dirty:
                 if not feed.fast:
                     continue
-                takes.append(_Take(feed, feed.pending, feed.ended, feed.end))
-                feed.pending, feed.writing = [], True
+                takes.append(_Take(feed, feed.pending, feed.ended, feed.end, head=feed.head))
+                feed.pending, feed.writing, feed.head = [], True, None
                 feed.ended, feed.end = False, None
         for take in takes:
             self._event_of(take)
@@ -212,7 +225,8 @@ class Streamer:
             return
         progress = take.feed.progress
         take.first = not progress.token_ids
-        take.event = Event(job_id=take.feed.job_id, seq=progress.seq, kind="token",
+        take.event = Event(job_id=take.feed.job_id, seq=progress.seq + (take.head is not None),
+                           kind="token",
                            text=delta.text, token_ids=list(delta.token_ids),
                            data=delta.event_data())
 
@@ -224,45 +238,66 @@ class Streamer:
         with self._lock:
             return [feed for feed in self._feeds.values() if feed.fast]
 
-    def _send(self, takes: list[_Take], watched: list[Feed]) -> tuple[list[Any], list[Feed]]:
-        """One round trip: every take's append in one script call, and one EXISTS over the
-        cancel keys watched; (an answer per take, the feeds whose job was cancelled)."""
+    def _send(self, takes: list[_Take], watched: list[Feed]
+              ) -> tuple[list[list[Any]], list[Feed]]:
+        """One round trip: every take's appends in one script call, and one EXISTS over the
+        cancel keys watched; (the answers of each take's events, head first; the feeds
+        whose job was cancelled)."""
         pipe = self.r.pipeline(transaction=False)
-        calls = [(take.event, take.feed.progress.lease) for take in takes
-                 if take.event is not None]
+        calls = [(event, take.feed.progress.lease) for take in takes
+                 for event in (take.head, take.event) if event is not None]
         if calls:
             script_keys, args = self.publisher.append_many_call(calls)
             pipe.evalsha(self.publisher.append_many_sha, len(script_keys), *script_keys, *args)
         if watched:
             pipe.exists(*[feed.cancel_key for feed in watched])
+        # A job's run ends with this batch: its lease renewed in the same round trip, so
+        # the job's end (workers/runner.py `_finish`) need not renew it in one of its own.
+        ending = [take for take in takes if take.ended and take.end is None]
+        for take in ending:
+            take.feed.progress.lease.renew_in(pipe)
         replies = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
         appended = iter(self.publisher.many_answers(next(replies), len(calls))
                         if calls else ())
-        answers = [next(appended) if take.event is not None else 1 for take in takes]
+        answers = [[next(appended) for event in (take.head, take.event) if event is not None]
+                   for take in takes]
         cancelled: list[Feed] = []
         if watched:
             count = next(replies)
             if isinstance(count, int) and count > 0:  # rare: find which
                 cancelled = [feed for feed in watched if self.r.exists(feed.cancel_key)]
+        renewed_at = time.monotonic()
+        for take in ending:
+            renewed = next(replies)
+            take.renewed, take.renewed_at = renewed == 1, renewed_at
+            if isinstance(renewed, redis.exceptions.NoScriptError):  # for the next batch
+                self.publisher.load_append()
         return answers, cancelled
 
-    def _settle(self, take: _Take, answer: Any) -> None:
-        """Under the lock: the take's answer applied to its job."""
+    def _settle(self, take: _Take, answers: list[Any]) -> None:
+        """Under the lock: the answers of the take's events applied to its job."""
         feed = take.feed
+        if take.head is not None and self._appended(answers[0]):
+            # Out, whatever comes of the rest: from here the job's next event follows it.
+            feed.progress.appended(take.head)
+            feed.progress.head = None
         if not feed.fast:  # given back meanwhile (detached, or cancelled)
             return
-        if not self._appended(take, answer):
+        if feed.progress.head is not None or (
+                take.event is not None and not self._appended(answers[-1])):
             self._hand_back(feed, take.deltas, take.ended, take.end)
             return
         if take.delta is not None:
             self._advance(take)
         if take.ended:
+            if take.renewed:
+                feed.progress.renewed_at = take.renewed_at
             feed.fast = False
             self._feeds.pop(feed.job_id, None)
             feed.inbox.put((END, take.end))
 
-    def _appended(self, take: _Take, answer: Any) -> bool:
-        if take.event is None or answer == 1:
+    def _appended(self, answer: Any) -> bool:
+        if answer == 1:
             return True
         if isinstance(answer, redis.exceptions.NoScriptError):
             self.publisher.load_append()  # for the next batch; this one's job goes slow

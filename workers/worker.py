@@ -293,6 +293,13 @@ class Worker:
         self.redis.set(keys.worker_heartbeat(s.namespace, self.name),
                        self.heartbeat().to_json(), ex=keys.heartbeat_ttl_s(s.heartbeat_s))
 
+    def announce(self) -> None:
+        """A heartbeat now, and the fleet told of it (keys.fleet_channel): an activation
+        reaches the API's routers (api/fleet.py) and the scheduler at once, not up to a
+        heartbeat period later."""
+        self.beat()
+        self.redis.publish(keys.fleet_channel(self.settings.namespace), self.name)
+
 
 class Heartbeats(threading.Thread):
     """Advertises the worker and its engine stats, renews the leases of its jobs, and

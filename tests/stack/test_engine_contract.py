@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -248,10 +249,28 @@ def test_concurrent_requests_are_batched(host: EngineHost) -> None:
 def test_precision_is_reported_as_configured(host: EngineHost) -> None:
     stats = host.engine.stats()
     assert stats.kind == host.engine.kind
-    # The simulator has no CPU kernels to fall back from: it runs what it is configured with.
-    expected = KV_CACHE_DTYPE if host.engine.kind == "sim" else EXPECTED_KV
-    assert stats.kv_cache_dtype == expected
-    assert stats.kv_capacity_tokens > 0
+    if host.engine.kind != "sim":
+        assert stats.kv_cache_dtype == EXPECTED_KV
+        assert stats.kv_capacity_tokens > 0
+        return
+    # The simulator has no kernels to fall back from; what it must show is that the
+    # precision it reports is the one it models: an FP8 KV cache holds twice the tokens
+    # of a 16-bit one in the same memory.
+    from workers.sim_engine import SimEngine
+
+    assert stats.kv_cache_dtype == KV_CACHE_DTYPE
+    config = replace(host.engine.config, kv_cache_dtype="auto")
+    async def stats_of_a_16_bit_one() -> EngineStats:
+        sixteen = SimEngine(config, profile=SIM_PROFILE)
+        await sixteen.start()
+        try:
+            return sixteen.stats()
+        finally:
+            await sixteen.shutdown()
+
+    wide = asyncio.run(stats_of_a_16_bit_one())
+    assert wide.kv_cache_dtype == "auto"
+    assert stats.kv_capacity_tokens == 2 * wide.kv_capacity_tokens
 
 
 def test_prompt_longer_than_context_is_refused(host: EngineHost, tokenizer: Any) -> None:
@@ -274,3 +293,59 @@ def test_max_tokens_beyond_context_stops_at_the_limit(host: EngineHost,
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     assert deltas[-1].prompt_tokens == MAX_MODEL_LEN - 40
     assert len(tokens(deltas)) == 40  # the context is full: prompt + output = the limit
+
+
+def greedy(host: EngineHost, prompt: str, max_tokens: int, **kw: Any) -> list[Delta]:
+    return collect(host, request(prompt, max_tokens=max_tokens, temperature=0.0, **kw))
+
+
+def test_a_resumed_request_goes_on_after_the_tokens_it_is_given(host: EngineHost) -> None:
+    """What "no gap, no repeat" rests on: an attempt that resumes with the tokens an
+    earlier one streamed gets exactly the rest of the output the first would have made."""
+    prompt = "Where is my refund for order 4411?"
+    whole = tokens(greedy(host, prompt, 16))
+    assert len(whole) == 16
+    rest = greedy(host, prompt, 10, resume_token_ids=tuple(whole[:6]))
+    assert tokens(rest) == whole[6:]
+    assert rest[-1].finish_reason == "length"
+
+
+def test_a_stop_string_ends_the_output_before_it(host: EngineHost) -> None:
+    prompt = "Please list the invoices of March."
+    deltas = greedy(host, prompt, 24)
+    text = "".join(d.text for d in deltas)
+    # A stop string from the middle of the output: the first delta's text, after the
+    # fifth, that is not found earlier in the text (so the cut is where it first appears).
+    stop = next((d.text for d in deltas[5:-2] if d.text.strip() and text.find(d.text) >=
+                 len("".join(x.text for x in deltas[:5]))), None)
+    assert stop is not None, f"no usable stop string in the greedy output {deltas!r}"
+    stopped = greedy(host, prompt, 24, stop=(stop,))
+    assert "".join(d.text for d in stopped) == text[:text.find(stop)]
+    assert stopped[-1].finished and stopped[-1].finish_reason == "stop"
+
+
+def test_a_cache_salt_shares_prefix_blocks_only_with_its_own_salt(host: EngineHost,
+                                                                 tokenizer: Any) -> None:
+    """Two tenants' identical prompts never share KV blocks: a salted prefix is reused by
+    a request of the same salt, not by one of another salt or none."""
+    prefix = f"Account {uuid.uuid4().hex}. " + SYSTEM_PROMPT
+    assert len(tokenizer(prefix)["input_ids"]) >= 8 * 32
+    assert_complete(collect(host, request(prefix + QUESTION, cache_salt="tenant-a")),
+                    MAX_TOKENS)
+
+    prompt_tokens = len(tokenizer(prefix + QUESTION)["input_ids"])
+
+    def hits_of(salt: str | None) -> int:
+        before = wait_for(host, lambda s: s.unfinished == 0)
+        assert_complete(collect(host, request(prefix + QUESTION, cache_salt=salt)),
+                        MAX_TOKENS)
+        # The counters arrive a step after the tokens: wait until this request's prompt
+        # was counted as queried, so a hit not yet counted cannot pass for no hit.
+        after = wait_for(host, lambda s: s.prefix_queries_tokens >=
+                         before.prefix_queries_tokens + prompt_tokens - 1)
+        assert after.prefix_queries_tokens >= before.prefix_queries_tokens + prompt_tokens - 1
+        return after.prefix_hits_tokens - before.prefix_hits_tokens
+
+    assert hits_of("tenant-b") < 32, "another tenant's salt reused tenant-a's blocks"
+    assert hits_of(None) < 32, "an unsalted request reused tenant-a's blocks"
+    assert hits_of("tenant-a") >= 4 * 32, "the same salt did not reuse its own prefix"

@@ -276,7 +276,7 @@ def pg_api(redis_server: str) -> Iterator[tuple[TestClient, str]]:
         upgrade(url)
         store = Store(url)
         _, key = store.create_tenant("files-pg", ["chat", "batch"])
-        redis_url = redis_server.rsplit("/", 1)[0] + "/8"
+        redis_url = redis_server.rsplit("/", 1)[0] + "/39"
         settings = Settings(redis_url=redis_url, database_url=url, namespace="tgfilespg")
         try:
             with TestClient(create_app(settings)) as http:

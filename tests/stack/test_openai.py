@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import Stack, make_tenant
+from store.batches import Batches
+from tests.helpers import Stack, engine_stats, make_tenant
 from tidegate_tools.procs import wait_until
 
 MODEL = "tidegate-test"
@@ -107,15 +108,27 @@ def test_stop_ends_the_output_before_the_stop_string(stack: Stack, key: str) -> 
 
 
 def test_a_client_that_leaves_a_stream_cancels_its_job(stack: Stack, key: str) -> None:
+    """Left after its first token, mid-generation: the job ends `cancelled` and the engine
+    aborts the request (its slot is free again), not merely the stream closed."""
+    aborted = {name: engine_stats(name)["aborted"] for name in set(stack.workers.values())}
     body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True}
     with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body,
                       headers={"Authorization": f"Bearer {key}"}, timeout=60) as resp:
         assert resp.status_code == 200
-        lines = resp.iter_lines()
-        first = next(line for line in lines if line.startswith("data: "))
-        completion_id = json.loads(first.removeprefix("data: "))["id"]
+        chunks = (json.loads(line.removeprefix("data: ")) for line in resp.iter_lines()
+                  if line.startswith("data: {"))
+        first = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get(
+            "content"))
+        completion_id = first["id"]
     wait_until(lambda: job_of(stack, completion_id, key)["status"] == "cancelled", 30,
                "the job of the stream its client left to be cancelled")
+    job = job_of(stack, completion_id, key)
+    worker = job["worker"]
+    wait_until(lambda: engine_stats(worker)["aborted"] > aborted[worker], 30,
+               "the engine to abort the left stream's request")
+    assert engine_stats(worker)["aborted"] == aborted[worker] + 1
+    assert engine_stats(worker)["unfinished"] == 0
+    assert (job.get("usage") or {}).get("completion_tokens", 0) < 200
 
 
 def test_a_rate_limited_tenant_gets_the_sdks_rate_limit_error(stack: Stack) -> None:
@@ -185,12 +198,26 @@ def test_a_cancelled_batch_cancels_its_jobs_and_ends_cancelled(stack: Stack, key
     upload = client.files.create(file=("long.jsonl", io.BytesIO(body)), purpose="batch")
     batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                                   completion_window="24h")
+    batches = Batches(stack.store)
+    row = batches.get_batch(batch.id)
+    assert row is not None
+
+    def jobs() -> dict[int, Any]:
+        return batches.line_jobs(row.tenant_id, batch.id, len(long))
+
+    # Cancelled once its lines are jobs, so that there are jobs for the cancel to end.
+    wait_until(lambda: len(jobs()) == len(long), 120, "the batch's lines to become jobs",
+               stack.procs, poll_s=0.2)
     assert client.batches.cancel(batch.id).status == "cancelling"
     wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", 120,
                "the cancelled batch to end", stack.procs, poll_s=0.5)
     final = client.batches.retrieve(batch.id)
     assert final.cancelled_at is not None and final.request_counts is not None
     assert final.request_counts.completed < 4
+    # Its lines' jobs ended too: a cancelled batch leaves none queued or running.
+    ended = jobs()
+    assert {j.status for j in ended.values()} <= {"cancelled", "done"}, ended
+    assert sum(j.status == "cancelled" for j in ended.values()) >= 1
 
 
 def test_a_conversation_hits_the_same_prefix_cache_through_either_api(stack: Stack,

@@ -5,7 +5,7 @@ job; logprobs; penalties, logit_bias and vLLM's extras reaching the engine; unkn
 ignored with a header; a cancelled job answered as an error; a default max_tokens that
 cuts said in the usage and a header.
 
-The stack is this module's own (the API in this process on Redis DB 19, one vLLM worker):
+The stack is this module's own (the API in this process on Redis DB 40, one vLLM worker):
 one engine loads faster than the session stack's two on a shared machine, and its lanes
 are shaped for these cases (`chat`'s default cut is short; `long` runs on chat's worker
 with room to cancel a long answer)."""
@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from store import Store
-from tests.helpers import api_of_its_own
+from tests.helpers import api_of_its_own, engine_stats, hold
 from tidegate_tools.procs import Proc, start_worker, wait_until
 from tidegate_tools.stack import api_ready
 
@@ -34,7 +34,7 @@ from tidegate_tools.stack import api_ready
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tidegate-test"
-REDIS_DB = 19
+REDIS_DB = 40
 WORKER = "chat-sampling@tidegate"
 LANES = """
 [lanes.chat]
@@ -70,6 +70,7 @@ class Stack:
     base_url: str
     store: Store
     procs: list[Proc]
+    broker_url: str  # the worker's control commands (hold, stats) go here
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def stack(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Stack
         try:
             wait_until(lambda: api_ready(api.base_url, [WORKER]), 840, "the vLLM worker",
                        [worker])
-            yield Stack(api.base_url, api.store, [worker])
+            yield Stack(api.base_url, api.store, [worker], settings.redis_url)
         finally:
             worker.stop()
 
@@ -293,29 +294,39 @@ def test_a_cancelled_job_is_an_error_to_its_client(stack: Stack, model_path: Pat
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
             caught.append(exc)
 
+    # The worker holds the job after its first tokens, its engine request running on, so
+    # the cancel finds it mid-generation however fast the engine (an unheld answer of
+    # 8 x 1,500 tokens once ended before the test saw it run).
+    hold([WORKER], 4, stack.broker_url)
     thread = threading.Thread(target=ask)
     thread.start()
     try:
-        wait_until(lambda: running_job(stack, key) is not None, 60, "the job to run",
-                   stack.procs, poll_s=0.2)
+        wait_until(lambda: engine_stats(WORKER, stack.broker_url)["held"], 60,
+                   "the worker to hold the job", stack.procs, poll_s=0.1)
         job_id = running_job(stack, key)
         headers = {"Authorization": f"Bearer {key}"}
         assert httpx.delete(f"{stack.base_url}/v1/jobs/{job_id}", headers=headers,
                             timeout=10).status_code == 200
     finally:
+        hold([WORKER], 0, stack.broker_url)
         thread.join(120)
     assert len(caught) == 1 and isinstance(caught[0], openai.ConflictError), caught
     assert caught[0].code == "job_cancelled" and caught[0].status_code == 409
     # Streamed: the stream ends in an error event, which the SDK raises.
-    stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a long essay."}],
-        max_tokens=1500, service_tier="priority", stream=True, logit_bias=no_end,
-        n=8)
-    with pytest.raises(openai.APIError) as streamed:
-        for chunk in stream:
-            if chunk.choices and chunk.choices[0].delta.content:
-                httpx.delete(f"{stack.base_url}/v1/jobs/{chunk.id.split('-', 1)[1]}",
-                             headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    hold([WORKER], 4, stack.broker_url)
+    try:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a long essay."}],
+            max_tokens=1500, service_tier="priority", stream=True, logit_bias=no_end,
+            n=8)
+        with pytest.raises(openai.APIError) as streamed:
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    httpx.delete(f"{stack.base_url}/v1/jobs/{chunk.id.split('-', 1)[1]}",
+                                 headers={"Authorization": f"Bearer {key}"}, timeout=10)
+                    hold([WORKER], 0, stack.broker_url)
+    finally:
+        hold([WORKER], 0, stack.broker_url)
     assert "cancelled" in streamed.value.message
 
 

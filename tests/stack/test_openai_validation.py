@@ -43,7 +43,7 @@ class Api:
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     url = f"sqlite:///{tmp_root / 'openai-validation.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/3"
+    redis_url = redis_server.rsplit("/", 1)[0] + "/36"
     settings = Settings(redis_url=redis_url, database_url=url, batch_max_lines=3)
     store = Store(url)
     _, key = store.create_tenant("openai-validation", ["chat", "batch"])
@@ -168,7 +168,7 @@ def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Pat
     its jobs, and a new API process finishes the batch and writes its output file."""
     url = f"sqlite:///{tmp_root / 'openai-restart.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/4"
+    redis_url = redis_server.rsplit("/", 1)[0] + "/37"
     settings = Settings(redis_url=redis_url, database_url=url, batch_poll_s=0.05)
     store = Store(url)
     tenant, key = store.create_tenant("batch-restart", ["chat", "batch"])

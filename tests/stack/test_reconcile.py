@@ -10,18 +10,18 @@ What the tests break, and how:
   port with no data, while jobs wait queued (both workers SIGSTOPped meanwhile, their
   heartbeats kept alive so the API still routes to them). The module's last test; it
   waits for both workers to serve again before it ends, for the modules after it.
-- A dead worker (findings 6 and 7b): the state a SIGKILLed worker leaves in Redis, made by
-  the test without starting a worker to kill (one more vLLM worker is a minute of the
-  suite): its heartbeat gone, a session job's message waiting in its direct queue or
-  taken by it (kombu's unacked entry, with its direct queue as routing key), a running
-  job's stream with its `started` and tokens, its lease expired. The jobs are written as
-  the API's submit writes them (row and payload, then the message).
+- A dead worker that took a job (findings 6 and 7b): a third chat worker of the test's own
+  (`doomed`), held mid-job (workers/faults.py TokenHold) and SIGKILLed with its process
+  group, engine included: its heartbeat and lease lapse, its message stays taken
+  (kombu's unacked entry) until a live worker's sweep hands it back.
+- A dead worker's direct queue with a message waiting: the state a SIGKILLed worker leaves
+  in Redis, made by the test (a worker name with no heartbeat, `a_ghost`). The jobs are
+  written as the API's submit writes them (row and payload, then the message).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -40,14 +40,14 @@ from tidegate_client import Client
 from tasks.app import celery_app, make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.conftest import REDIS_PORT
-from tests.helpers import Stack, reconciling_scheduler
+from tests.helpers import Stack, engine_stats, hold, reconciling_scheduler
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import redis_priority
 from tidegate.records import WorkerState
 from tidegate.settings import get_settings
-from tidegate_tools.procs import Proc, start_redis, wait_until
+from tidegate_tools.procs import Proc, start_redis, start_worker, wait_until
 from tidegate_tools.stack import api_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -126,34 +126,62 @@ def scheduler(stack: Stack, tmp_root: Path) -> Iterator[Proc]:
         yield proc
 
 
-def test_a_dead_workers_taken_session_job_goes_back_to_the_pool(stack: Stack) -> None:
+@contextlib.contextmanager
+def doomed_worker(stack: Stack, tmp_root: Path) -> Iterator[tuple[str, Proc]]:
+    """A chat worker of the test's own, for it to kill: (its name, its process), once it
+    is active. Stopped on the way out, killed or not."""
+    name = f"doomed-{uuid.uuid4().hex[:6]}@tidegate"
+    proc = start_worker(dict(os.environ), "chat", name, tmp_root / "logs", cpus="0")
+    try:
+        wait_until(lambda: _active(stack, name), 300, f"worker {name} to be active", [proc],
+                   poll_s=0.5)
+        yield name, proc
+    finally:
+        proc.stop()
+
+
+def _active(stack: Stack, name: str) -> bool:
+    hb = read_heartbeat(stack.redis, stack.namespace, name)
+    return hb is not None and hb.state == WorkerState.ACTIVE
+
+
+def held_mid_job(stack: Stack, doomed: str, proc: Proc,
+                 session_id: str | None = None) -> tuple[GeneratePayload, Reader]:
+    """A job sent to the doomed worker's direct queue (as a session's is), held there after
+    its first tokens, its engine request running on: (its payload, its consumer)."""
+    hold([doomed], 1)
+    payload = accept(stack, "chat", direct(stack, doomed), session_id=session_id)
+    reader = Reader(stack, payload.job_id)
+    wait_until(lambda: engine_stats(doomed)["held"] == payload.job_id, 120,
+               f"{doomed} to hold job {payload.job_id}", [proc], poll_s=0.1)
+    assert status(stack, payload.job_id) == "running"
+    return payload, reader
+
+
+@pytest.mark.timeout(900)  # a vLLM worker of its own starts first
+def test_a_dead_workers_taken_session_job_goes_back_to_the_pool(stack: Stack,
+                                                                tmp_root: Path) -> None:
     """Finding 6, the worker side (tasks/recovery.py): a message a dead worker took from
     its direct queue is handed back to a live worker's queue, not to the dead one's. No
-    scheduler runs yet: the workers' own recovery sweep does it."""
-    ghost, session = a_ghost(stack), f"s-{uuid.uuid4().hex[:8]}"
-    stack.store.touch_session(session, stack.tenant_id, ghost)  # the ghost held its prefix
-    payload = accept(stack, "chat", direct(stack, ghost), session_id=session)
-    take_unacked(stack, direct(stack, ghost), taken_s_ago=60)
-    reader = Reader(stack, payload.job_id)
-    wait_until(reader.ended, 60, "the dead worker's session job to end")
+    scheduler runs yet: the workers' own recovery sweep does it, and the job resumes after
+    the tokens the dead worker streamed."""
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    with doomed_worker(stack, tmp_root) as (doomed, proc):
+        payload, reader = held_mid_job(stack, doomed, proc, session_id=session)
+        record = stack.store.get_session(session, stack.tenant_id)
+        assert record is not None and record.last_worker == doomed  # it held the prefix
+        os.killpg(proc.popen.pid, signal.SIGKILL)  # worker and engine, mid-job
+        wait_until(reader.ended, 120, "the dead worker's session job to end",
+                   worker_procs(stack))
     check_stream(reader, "done")
     row = stack.store.get_job(payload.job_id)
-    assert row is not None and row.status == "done" and row.worker == stack.workers["chat"]
-    assert waiting(stack, direct(stack, ghost)) == 0
+    assert row is not None and row.status == "done" and row.attempts == 2
+    assert row.worker == stack.workers["chat"]
+    assert [e.data["worker"] for e in reader.events if e.kind == "started"] == [doomed]
+    assert waiting(stack, direct(stack, doomed)) == 0
     assert stack.store.job_payload(payload.job_id) is None  # the prompt is not kept
-
-
-def take_unacked(stack: Stack, queue: str, taken_s_ago: float) -> None:
-    """What a worker's consumer does when it takes a message (kombu's BRPOP, then its
-    unacked entry: [message, exchange, routing key] and the time it was taken)."""
-    raw = next(m for sub in keys.queue_sublists(queue) if (m := stack.redis.rpop(sub)))
-    message = json.loads(raw)
-    info, tag = message["properties"]["delivery_info"], message["properties"]["delivery_tag"]
-    with celery_app().pool.acquire(block=True) as conn:
-        qos = conn.default_channel.qos
-        stack.redis.hset(qos.unacked_key, tag,
-                         json.dumps([message, info["exchange"], info["routing_key"]]))
-        stack.redis.zadd(qos.unacked_index_key, {tag: time.time() - taken_s_ago})
+    record = stack.store.get_session(session, stack.tenant_id)
+    assert record is not None and record.last_worker == stack.workers["chat"]
 
 
 def test_a_session_job_stranded_on_a_dead_workers_queue_ends_done_on_another(
@@ -193,36 +221,46 @@ def test_a_session_job_stranded_on_a_dead_workers_queue_ends_done_on_another(
             stack.store.cancel_job(job.job_id)
 
 
-def test_a_cancelled_job_whose_worker_died_ends_its_stream(stack: Stack,
-                                                           scheduler: Proc) -> None:
+@pytest.mark.timeout(900)  # a vLLM worker of its own starts first
+def test_a_cancelled_job_whose_worker_died_ends_its_stream(stack: Stack, scheduler: Proc,
+                                                           tmp_root: Path) -> None:
     """Finding 7b: the DELETE makes the row of a running job `cancelled`, but its worker
-    died (its lease expired) before it heard: no worker is left to write the end. The
-    reconciler does."""
-    ghost = a_ghost(stack)
-    payload = accept(stack, "chat", "chat.vllm", send=False)  # the ghost took its message
-    stack.store.claim_job(payload.job_id, ghost, "vllm")
-    lease = keys.job_lease(stack.namespace, payload.job_id)
-    stack.redis.set(lease, f"{ghost}/attempt", ex=60)  # alive until the cancel
-    ghost_events = [Event(payload.job_id, 0, "started", data={"worker": ghost}),
-                    Event(payload.job_id, 1, "token", text="Your", token_ids=[11]),
-                    Event(payload.job_id, 2, "token", text=" parcel", token_ids=[12, 13])]
-    for event in ghost_events:
-        stack.redis.xadd(keys.job_events(stack.namespace, payload.job_id),
-                         event.stream_fields(), id=keys.stream_id(event.seq))
-    reader = Reader(stack, payload.job_id)
-    wait_until(lambda: len(reader.events) == 3, 30, "the consumer to read the ghost's events")
-    with Client(stack.base_url, stack.api_key) as client:
-        assert client.cancel(payload.job_id)["status"] == "cancelled"
-    stack.redis.delete(lease)  # the ghost is gone: its lease expired
-    wait_until(reader.ended, 30, "the cancelled job's stream to end")
+    died (stopped, then SIGKILLed: it never heard) before it wrote the end: no worker is
+    left to finish the row. The reconciler does, with the tokens the stream holds; the
+    stream ends `cancelled` (written by the reconciler, or by the live worker that gets
+    the dead one's message back and finds the job ended, whichever comes first)."""
+    with doomed_worker(stack, tmp_root) as (doomed, proc):
+        payload, reader = held_mid_job(stack, doomed, proc)
+        wait_until(lambda: any(e.kind == "token" for e in reader.events), 30,
+                   "the consumer to read the doomed worker's first tokens")
+        os.killpg(proc.popen.pid, signal.SIGSTOP)  # from now on it hears nothing
+        try:
+            with Client(stack.base_url, stack.api_key) as client:
+                assert client.cancel(payload.job_id)["status"] == "cancelled"
+        finally:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+        wait_until(reader.ended, 60, "the cancelled job's stream to end",
+                   [scheduler, *worker_procs(stack)])
+        wait_until(lambda: finished(stack, payload.job_id), 30,
+                   "the reconciler to finish the cancelled job's row", [scheduler])
     check_stream(reader, "done")
-    assert reader.events[-1].data["finish_reason"] == "cancelled"
-    assert reader.events[-1].data["usage"]["completion_tokens"] == 3
+    tokens = [e for e in reader.events if e.kind == "token"]
+    assert tokens and reader.events[0].data["worker"] == doomed
+    streamed = sum(len(e.token_ids) for e in tokens)
+    end = reader.events[-1].data
+    assert end["finish_reason"] == "cancelled"
+    assert end.get("usage", {}).get("completion_tokens", streamed) == streamed
     row = stack.store.get_job(payload.job_id)
-    assert row is not None and row.status == "cancelled" and row.finished_at is not None
-    assert row.output_text == "Your parcel" and row.completion_tokens == 3
+    assert row is not None and row.status == "cancelled"
+    assert row.output_text == "".join(e.text for e in tokens)
+    assert row.completion_tokens == streamed
     assert stack.redis.ttl(keys.job_events(stack.namespace, payload.job_id)) > 0
     assert stack.store.job_payload(payload.job_id) is None
+
+
+def finished(stack: Stack, job_id: str) -> bool:
+    row = stack.store.get_job(job_id)
+    return row is not None and row.finished_at is not None
 
 
 def test_an_orphan_past_its_deadline_ends_expired(stack: Stack, scheduler: Proc) -> None:

@@ -22,13 +22,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from tidegate_client import Client
 
 from tasks.app import celery_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats, hold
+from tests.helpers import Stack, engine_stats, hold, metric, worker_scrape
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
@@ -159,6 +160,35 @@ def mid_job(stack: Stack, pair: Pair) -> Iterator[tuple[str, Reader, str]]:
         hold([n for n, proc in pair.procs.items() if proc.alive()], 0)
 
 
+RESUMED, POISON = "tidegate_jobs_resumed_total", "tidegate_poison_jobs_total"
+RECOVERIES = "tidegate_recoveries_total"
+
+
+def counted(pair: Pair, name: str, counter: str, **labels: str) -> float:
+    """A counter on the worker's own /metrics (0 before it first counts)."""
+    port = pair.procs[name].metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    return metric(text, counter, **labels)
+
+
+def counters(stack: Stack, pair: Pair, names: list[str]) -> dict[str, float]:
+    """The recovery counters of the recovery workers `names`: jobs they resumed, jobs they
+    ended poison; and the dead workers' messages handed back by the sweep of any live
+    worker (one per period runs it: these, or the session stack's)."""
+    stack_scrapes = [worker_scrape(stack, lane) for lane in stack.workers]
+    return {"resumed": sum(counted(pair, n, RESUMED, lane=LANE, worker=n) for n in names),
+            "poison": sum(counted(pair, n, POISON, lane=LANE, worker=n) for n in names),
+            "restored": sum(counted(pair, n, RECOVERIES, action="restored") for n in names)
+            + sum(metric(text, RECOVERIES, action="restored") for text in stack_scrapes)}
+
+
+def counted_since(stack: Stack, pair: Pair, names: list[str],
+                  before: dict[str, float]) -> dict[str, float]:
+    """What was counted since `before` (counters() of the same workers)."""
+    after = counters(stack, pair, names)
+    return {k: after[k] - before[k] for k in after}
+
+
 def check_stream(events: list[Event]) -> None:
     """Contiguous sequence numbers from 0, one start, one end: no gap, no repeat."""
     assert [e.seq for e in events] == list(range(len(events)))
@@ -221,6 +251,7 @@ def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
         stack.store.claim_job(job_id, f"dead-{attempt}@gone", "vllm")
     payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
                               sampling=Sampling(max_tokens=8, temperature=0.0))
+    before = counters(stack, pair, list(pair.procs))
     send_generate(celery_app(), payload, QUEUE, 5)
     reader = read_to_end(stack, pair.key, job_id, list(pair.procs.values()))
     assert [e.kind for e in reader.events] == ["error"]  # never started: nothing to resume
@@ -228,13 +259,46 @@ def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
     row = stack.store.get_job(job_id)
     assert row is not None and row.status == "error"
     assert row.attempts == get_settings().max_attempts + 1
+    # Whichever worker took it counted one poison job (and one taken-over attempt: the
+    # attempt number is past the first); no sweep handed anything back.
+    assert counted_since(stack, pair, list(pair.procs), before) == {
+        "resumed": 1, "poison": 1, "restored": 0}
+
+
+def test_a_stalled_worker_loses_its_job_and_cannot_write_to_it_when_it_wakes(
+        stack: Stack, pair: Pair) -> None:
+    """The whole worker stopped (SIGSTOP to its process group: its heartbeat and lease
+    renewal stop too, as in a long GC pause or a frozen VM): its lease lapses, the other
+    worker resumes the job, and when the stalled one wakes its attempt is fenced off: the
+    stream stays whole, with no event of the old attempt after the takeover."""
+    with mid_job(stack, pair) as (job_id, reader, stalled):
+        group = pair.procs[stalled].popen.pid
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            survivor = next(n for n in pair.procs if n != stalled)
+            wait_until(reader.ended, 180, "the stalled worker's job to end on the other",
+                       [pair.procs[survivor]])
+        finally:
+            os.killpg(group, signal.SIGCONT)
+    check_stream(reader.events)
+    row = stack.store.get_job(job_id)
+    assert row is not None and row.status == "done" and row.attempts == 2
+    assert row.worker == survivor
+    assert len(reader.tokens()) == MAX_TOKENS == row.completion_tokens
+    # Awake again, the stalled worker gives the job up (its engine request aborted) and
+    # goes back to work; the job's stream gained nothing from it.
+    wait_until(lambda: _active(stack, stalled) and engine_stats(stalled)["unfinished"] == 0,
+               120, "the woken worker to drop the job and be active", [pair.procs[stalled]])
+    entries = stack.redis.xrange(keys.job_events(stack.namespace, job_id))
+    assert len(entries) == len(reader.events)
 
 
 def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
         stack: Stack, pair: Pair) -> None:
     with mid_job(stack, pair) as (job_id, reader, victim):
+        survivor = next(n for n in pair.procs if n != victim)
+        before = counters(stack, pair, [survivor])
         pair.kill(victim)
-    survivor = next(n for n in pair.procs if n != victim)
     wait_until(reader.ended, 120, "the job to end after its worker was killed",
                [pair.procs[survivor]])
 
@@ -244,6 +308,10 @@ def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
     assert row.worker == survivor
     assert row.output_text == "".join(e.text for e in reader.events if e.kind == "token")
     assert len(reader.tokens()) == MAX_TOKENS == row.completion_tokens
+    # A live worker's sweep handed the dead worker's message back (one message), and the
+    # survivor took the job over (one resumed job on its /metrics); no poison.
+    assert counted_since(stack, pair, [survivor], before) == {
+        "resumed": 1, "poison": 0, "restored": 1}
     # The same request, uninterrupted, on the survivor: greedy, so the same tokens.
     uninterrupted = read_to_end(stack, pair.key, submit(stack, pair.key),
                                 [pair.procs[survivor]])

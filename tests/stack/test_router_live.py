@@ -7,6 +7,7 @@ The tests run in file order: the last ones stop the primary worker.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -141,10 +142,17 @@ def test_a_session_sticks_to_its_worker_then_moves_when_it_dies(stack: Stack,
     assert first["worker"] == second["worker"] == pools.primary
     assert second["route_reason"].startswith("session affinity")
 
-    ttl = stack.redis.ttl(keys.worker_heartbeat(stack.namespace, pools.primary))
+    heartbeat = keys.worker_heartbeat(stack.namespace, pools.primary)
+    ttl = stack.redis.ttl(heartbeat)
     assert 0 < ttl <= keys.heartbeat_ttl_s(0.5)  # how long a crashed worker could be chosen
-    pools.procs["primary"].stop()  # a clean stop: the worker removes its record at once
-    assert not stack.redis.exists(keys.worker_heartbeat(stack.namespace, pools.primary))
+    # A crash, not a clean stop (which removes the record at once): its last heartbeat
+    # stays behind and the router must stop choosing it when that heartbeat lapses.
+    primary = pools.procs["primary"]
+    os.killpg(primary.popen.pid, signal.SIGKILL)
+    primary.popen.wait(10)
+    assert stack.redis.exists(heartbeat), "a killed worker removed its own heartbeat"
+    wait_until(lambda: not stack.redis.exists(heartbeat), keys.heartbeat_ttl_s(0.5) + 5,
+               "the killed worker's heartbeat to lapse")
 
     third, events = run_job(stack, max_tokens=4, session_id="crm-session-1")
     assert events[-1].kind == "done" and third["worker"] == pools.fallback

@@ -1,6 +1,6 @@
 """The SDK retries what the API refuses for now (429, 503) after the API's Retry-After,
 with the same idempotency key, so a retried submit makes one job. The API runs in-process
-on its own Redis DB (5) and SQLite database; no worker is advertised until the first
+on its own Redis DB (38) and SQLite database; no worker is advertised until the first
 refusal comes back."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ Api = tuple[TestClient, Store, redis.Redis, Settings, str]
 
 @pytest.fixture(scope="module")
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
-    with in_process_api(redis_server, tmp_root / "sdk-retries.db", 5, "sdk-retries",
+    with in_process_api(redis_server, tmp_root / "sdk-retries.db", 38, "sdk-retries",
                         ["chat"]) as app:
         yield app.http, app.store, app.redis, app.settings, app.key
 

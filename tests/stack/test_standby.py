@@ -183,13 +183,20 @@ def test_the_scheduler_prewarms_a_standby_worker_ahead_of_forecast_traffic(
     assert len(hot) == 1  # recorded by the API, rendered with the chat template
 
     now = datetime.now(UTC)
-    assert autoscale.autoscale(app, stack.redis, stack.store, settings, now=now) == []
+
+    def this_lanes(actions: list[dict]) -> list[dict]:
+        # Another lane's worker whose heartbeat lapsed under load gets an action of its
+        # own (a CI run's chat worker was re-activated here): not this test's business.
+        return [a for a in actions if a["lane"] == LANE]
+
+    assert this_lanes(autoscale.autoscale(app, stack.redis, stack.store, settings,
+                                          now=now)) == []
     # Yesterday this lane had far more traffic than one worker carries, from about now
     # on (today being quiet halves it: the trend is clamped at 0.5).
     for minute in range(-30, 45):
         at = now - timedelta(days=1) + timedelta(minutes=minute)
         stack.store.record_arrivals(LANE, at, 1_000_000)
-    actions = autoscale.autoscale(app, stack.redis, stack.store, settings, now=now)
+    actions = this_lanes(autoscale.autoscale(app, stack.redis, stack.store, settings, now=now))
     assert [(a["action"], a["worker"], a["verified"]) for a in actions] == [
         ("activate", pair.b, True)]
     assert actions[0]["want_active"] >= 2 and actions[0]["forecast_rps"] > 100

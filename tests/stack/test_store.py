@@ -67,7 +67,7 @@ def store(db_url: str) -> Iterator[Store]:
     st = Store(db_url)
     with st.engine.begin() as conn:
         for table in ("webhook_attempts", "webhook_deliveries", "webhook_secrets", "api_keys",
-                      "batches", "files", "sessions", "jobs", "tenants"):
+                      "batches", "files", "sessions", "jobs", "usage", "tenants"):
             conn.execute(text(f"DELETE FROM {table}"))
     yield st
     st.close()
@@ -133,7 +133,7 @@ def test_upgrade_is_at_head_and_repeatable(db_url: str) -> None:
     head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
     engine = make_engine(db_url)
     with engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == head == "0015"
+        assert MigrationContext.configure(conn).get_current_revision() == head == "0016"
     engine.dispose()
 
 

@@ -45,7 +45,7 @@ def store(request: pytest.FixtureRequest,
 @pytest.fixture
 def tenant_id(store: Store) -> int:
     with store.engine.begin() as conn:
-        for table in ("webhook_deliveries", "api_keys", "sessions", "jobs", "tenants"):
+        for table in ("webhook_deliveries", "api_keys", "sessions", "jobs", "usage", "tenants"):
             conn.execute(text(f"DELETE FROM {table}"))
     return store.create_tenant("acme", ["chat"])[0].id
 

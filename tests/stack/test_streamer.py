@@ -50,7 +50,8 @@ def streamer(client: redis.Redis) -> Iterator[Streamer]:
 
 def open_job(client: redis.Redis, streamer: Streamer, job_id: str) -> Feed:
     """A job whose `started` event is out (seq 0), as the task thread leaves it."""
-    lease = Lease(client, keys.job_lease(NS, job_id), "worker-a", ttl_s=30)
+    lease = Lease(client, keys.job_lease(NS, job_id), "worker-a", ttl_s=30,
+                  stream=keys.job_events(NS, job_id))
     assert lease.take()
     started = Event(job_id=job_id, seq=0, kind="started")
     assert streamer.publisher.publish(started, lease)
@@ -170,3 +171,68 @@ def _until(feed: Feed, kind: str) -> Iterator[tuple[str, object]]:
         yield got
         if got[0] == kind:
             return
+
+
+def test_a_started_event_left_to_the_streamer_goes_out_first_and_the_end_renews_the_lease(
+        client: redis.Redis, streamer: Streamer) -> None:
+    """The task thread leaves `started` in progress.head: the streamer's next batch sends
+    it before the job's tokens, and the batch that ends the run renews the lease (the job's
+    end then needs no renew of its own, workers/runner.py)."""
+    lease = Lease(client, keys.job_lease(NS, "job-head"), "worker-a", ttl_s=30)
+    assert lease.take()
+    client.expire(keys.job_lease(NS, "job-head"), 5)
+    progress = Progress.of(lease, StreamState(0, "", (), False, ()))
+    progress.head = Event(job_id="job-head", seq=0, kind="started", data={"attempt": 1})
+    feed = streamer.open("job-head", progress, keys.job_cancel(NS, "job-head"))
+    feed.put(token(0))
+    feed.put(token(1, finished=True))
+    feed.close(None)
+    assert [kind for kind, _ in messages(feed)][-1] == END
+    streamer.detach(feed)
+    events = stream_of(client, "job-head")
+    assert [(e.seq, e.kind) for e in events][0] == (0, "started")
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert "".join(e.text for e in events) == "t0 t1 "
+    assert progress.head is None and progress.seq == len(events)
+    assert progress.renewed_at is not None
+    assert client.ttl(keys.job_lease(NS, "job-head")) > 5  # renewed to its 30 s
+
+
+def test_a_started_event_the_streamer_could_not_send_stays_with_the_task_thread(
+        client: redis.Redis, streamer: Streamer) -> None:
+    """The lease another's before the first batch: nothing is appended, the job goes back
+    to its task thread with `started` still in progress.head (its _emit sends it first)."""
+    lease = Lease(client, keys.job_lease(NS, "job-headless"), "worker-a", ttl_s=30)
+    assert lease.take()
+    progress = Progress.of(lease, StreamState(0, "", (), False, ()))
+    progress.head = Event(job_id="job-headless", seq=0, kind="started")
+    client.set(keys.job_lease(NS, "job-headless"), "another-attempt")
+    feed = streamer.open("job-headless", progress, keys.job_cancel(NS, "job-headless"))
+    feed.put(token(0))
+    feed.close(None)
+    got = list(messages(feed))
+    assert got[0][0] == SLOW and got[-1] == (END, None)
+    assert progress.head is not None and progress.seq == 0
+    assert stream_of(client, "job-headless") == []
+
+
+def test_a_lapsed_lease_is_not_taken_back_once_another_attempt_ended_the_job(
+        client: redis.Redis, streamer: Streamer) -> None:
+    """A stalled attempt that wakes after another attempt ended the job (and released the
+    lease) finds the lease free: it must not take it back and write after the end."""
+    feed = open_job(client, streamer, "job-ended")
+    feed.put(token(0))
+    assert [kind for kind, _ in _until(feed, FIRST)] == [FIRST]
+    other = Lease(client, keys.job_lease(NS, "job-ended"), "worker-b", ttl_s=30)
+    client.delete(other.key)  # the stalled attempt's lease lapsed; the other took the job
+    assert other.take()
+    done = Event(job_id="job-ended", seq=2, kind="done", data={"finish_reason": "length"})
+    assert streamer.publisher.publish_last(done, other)  # its end releases the lease
+    assert not client.exists(other.key)
+    assert not feed.progress.lease.renew()  # the stalled one's heartbeat: no take-back
+    feed.put(token(1))
+    feed.close(None)
+    got = list(messages(feed))
+    assert got[0][0] == SLOW and got[-1] == (END, None)  # handed back: LeaseLost there
+    assert [e.kind for e in stream_of(client, "job-ended")] == ["started", "token", "done"]
+    assert not client.exists(other.key)

@@ -1,7 +1,8 @@
 """The API's one XREAD over every waiting stream (api/streamhub.py), on the session's
 Redis: what a waiter gets, when its wait runs out, when it comes while the XREAD blocks,
 when it leaves, and when Redis fails or fails over (a Sentinel trio of its own). Each
-test runs its own hub on Redis DB 10, on keys of its own."""
+test runs its own hub on Redis DB 41, on keys of its own. A test that needs the hub's
+XREAD blocking waits for it in Redis's CLIENT LIST, never for a guessed time."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.stack.test_sentinel import redis_trio
 from tidegate import redisconn
 from tidegate_tools.procs import free_port
 
-DB = 10
+DB = 41
 
 
 @pytest.fixture
@@ -32,11 +33,11 @@ def url(redis_server: str) -> Iterator[str]:
 
 
 def run(url: str, test: Callable[[StreamHub, Any, str], Awaitable[None]],
-        **client: Any) -> None:
+        block_ms: int = 5000, **client: Any) -> None:
     """`test(hub, client, key)` on a hub of its own, with a fresh stream key."""
     async def main() -> None:
         r = aioredis.Redis.from_url(url, **client)
-        hub = StreamHub(r, f"tghub{uuid.uuid4().hex[:8]}", block_ms=5000)
+        hub = StreamHub(r, f"tghub{uuid.uuid4().hex[:8]}", block_ms=block_ms)
         try:
             await asyncio.wait_for(test(hub, r, f"hubtest:{uuid.uuid4().hex}"), 20)
         finally:
@@ -50,6 +51,18 @@ def ids(entries: list[Any]) -> list[bytes]:
     return [entry_id for entry_id, _ in entries]
 
 
+async def xread_blocks(r: Any, timeout_s: float = 10.0) -> None:
+    """Until a connection of this module's DB blocks in XREAD (the hub's: a test holds
+    one hub at a time), as Redis's CLIENT LIST shows it (flag `b`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(c["cmd"] == "xread" and "b" in c["flags"] and c["db"] == str(DB)
+               for c in await r.client_list()):
+            return
+        await asyncio.sleep(0.01)  # a poll's pace, not a guess at when it blocks
+    raise TimeoutError(f"no XREAD blocked on DB {DB} after {timeout_s} s")
+
+
 @pytest.mark.parametrize("protocol", [2, 3])
 def test_a_waiter_gets_the_entries_after_its_cursor_with_their_fields(url: str,
                                                                       protocol: int) -> None:
@@ -59,7 +72,7 @@ def test_a_waiter_gets_the_entries_after_its_cursor_with_their_fields(url: str,
         assert await hub.read(key, "0-0", 1) == [(b"1-0", {b"e": b"zero", b"k": b"started"}),
                                                  (b"2-0", {b"e": b"one", b"k": b"token"})]
         reading = asyncio.create_task(hub.read(key, b"2-0", 5))
-        await asyncio.sleep(0.05)
+        await xread_blocks(r)
         await r.xadd(key, {"e": "two", "k": "done"}, id="3-0")
         assert await reading == [(b"3-0", {b"e": b"two", b"k": b"done"})]
 
@@ -67,31 +80,32 @@ def test_a_waiter_gets_the_entries_after_its_cursor_with_their_fields(url: str,
 
 
 def test_a_wait_that_runs_out_answers_nothing_and_the_entries_stay(url: str) -> None:
+    """The XREAD blocks 25 s: a wait of 0.2 s answers [] on its own timer, well inside
+    the 15 s this test gives it (a hub that answered only when its XREAD ran out would
+    not)."""
     async def test(hub: StreamHub, r: Any, key: str) -> None:
         started = time.monotonic()
-        assert await hub.read(key, "0-0", 0.2) == []
-        assert 0.2 <= time.monotonic() - started < 2
+        assert await asyncio.wait_for(hub.read(key, "0-0", 0.2), 15) == []
+        assert time.monotonic() - started >= 0.2  # not early: load only makes it later
         assert hub.waiting() == 0
         await r.xadd(key, {"e": "late"}, id="1-0")
         assert ids(await hub.read(key, "0-0", 1)) == [b"1-0"]
 
-    run(url, test)
+    run(url, test, block_ms=25_000)
 
 
 def test_a_waiter_that_comes_while_the_xread_blocks_is_served_at_once(url: str) -> None:
-    """The XREAD blocks 5 s on another stream; the newcomer's entry comes well before."""
+    """The XREAD blocks 25 s on another stream; the newcomer, who waits 10 s, gets its
+    entry: without the hub's wake it would still be outside that XREAD, and get []."""
     async def test(hub: StreamHub, r: Any, key: str) -> None:
-        other = asyncio.create_task(hub.read(key + ":other", "0-0", 10))
-        await asyncio.sleep(0.1)  # its XREAD blocks
-        started = time.monotonic()
+        other = asyncio.create_task(hub.read(key + ":other", "0-0", 20))
+        await xread_blocks(r)
         reading = asyncio.create_task(hub.read(key, "0-0", 10))
-        await asyncio.sleep(0.05)
         await r.xadd(key, {"e": "x"}, id="1-0")
         assert ids(await reading) == [b"1-0"]
-        assert time.monotonic() - started < 2
         other.cancel()
 
-    run(url, test)
+    run(url, test, block_ms=25_000)
 
 
 def test_a_waiter_behind_the_xread_in_flight_gets_no_gap(url: str) -> None:
@@ -102,7 +116,7 @@ def test_a_waiter_behind_the_xread_in_flight_gets_no_gap(url: str) -> None:
         for seq in (1, 2):
             await r.xadd(key, {"e": str(seq)}, id=f"{seq}-0")
         ahead = asyncio.create_task(hub.read(key, "2-0", 10))
-        await asyncio.sleep(0.1)  # its XREAD blocks, from 2-0
+        await xread_blocks(r)  # from 2-0
         # Written without a turn of the loop: the XREAD's answer waits, unread, until the
         # reader behind has joined.
         redis.Redis(connection_pool=redis.ConnectionPool.from_url(url)).xadd(
@@ -117,7 +131,7 @@ def test_a_waiter_behind_the_xread_in_flight_gets_no_gap(url: str) -> None:
 def test_a_reader_that_leaves_leaves_no_waiter(url: str) -> None:
     async def test(hub: StreamHub, r: Any, key: str) -> None:
         reading = asyncio.create_task(hub.read(key, "0-0", 10))
-        await asyncio.sleep(0.05)
+        await xread_blocks(r)
         assert hub.waiting() == 1
         reading.cancel()
         with pytest.raises(asyncio.CancelledError):

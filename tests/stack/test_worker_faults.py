@@ -47,8 +47,8 @@ SPARE = "faults-x@tidegate"
 RETRY_S = 2.0  # the spare worker's store and Redis retry budget
 PROMPT = "Summarise the quarter: revenue, margin and the cash position at the close"
 MAX_TOKENS = 1800  # the lane's longest: seconds of generation to catch a job in
-# Out of `make test` (`make test-faults`): its own vLLM worker and the three drills cost
-# about 2.5 minutes, which `make test` cannot spare within its 15.
+# In `make test` (and alone: `make test-faults`): its own vLLM worker and the three drills
+# cost about 2.5 minutes.
 pytestmark = [pytest.mark.timeout(600), pytest.mark.faults]
 
 

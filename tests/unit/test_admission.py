@@ -88,6 +88,18 @@ def test_recent_lanes_keeps_the_last_jobs_only() -> None:
     assert [recent.get(j) for j in "abc"] == [None, "finance", "chat"]
 
 
+def test_a_job_is_fresh_for_its_own_tenant_only_and_only_for_a_while() -> None:
+    """What lets a stream opened right after its submit skip the row read (api/app.py)."""
+    now = [100.0]
+    recent = RecentLanes(size=4, clock=lambda: now[0])
+    recent.add("a", "chat", tenant_id=7)
+    assert recent.fresh("a", 7, within_s=60)
+    assert not recent.fresh("a", 8, within_s=60)  # another tenant's
+    assert not recent.fresh("unknown", 7, within_s=60)
+    now[0] += 61
+    assert not recent.fresh("a", 7, within_s=60)
+
+
 def _entry(event: Event, with_kind: bool = True) -> tuple[bytes, dict[bytes, bytes]]:
     fields = {b"e": event.to_json().encode()}
     if with_kind:

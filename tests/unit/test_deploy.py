@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -401,33 +397,6 @@ def test_compose_health_checks_use_the_settings_ports() -> None:
         assert f"127.0.0.1:{port}/" in " ".join(services[name]["healthcheck"]["test"]), name
 
 
-def compose_tool() -> list[str] | None:
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    if shutil.which("docker") and subprocess.run(
-            ["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    return None
-
-
-@pytest.mark.skipif(compose_tool() is None,
-                    reason="neither docker-compose nor the docker compose plugin installed")
-def test_compose_config_as_docker_compose_reads_it() -> None:
-    tool = compose_tool()
-    assert tool is not None
-    argv = [*tool, "-f", str(COMPOSE), "config", "-q"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEGATE_")}
-    # compose refuses the file without any of its passwords (tests/unit/test_deploy_defaults.py)
-    others = {name: "a-password" for name in ("POSTGRES_PASSWORD", "REDIS_PASSWORD",
-                                              "GRAFANA_ADMIN_PASSWORD")}
-    refused = subprocess.run(argv, env={**env, **others}, capture_output=True, text=True)
-    assert refused.returncode != 0
-    assert "TIDEGATE_FLOWER_PASSWORD" in refused.stderr
-    ok = subprocess.run(argv, env={**env, **others, "TIDEGATE_FLOWER_PASSWORD": "a-password"},
-                        capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-
-
 # ---- systemd ----------------------------------------------------------------------------
 
 
@@ -456,32 +425,6 @@ def test_two_workers_of_one_machine_have_two_metrics_ports() -> None:
              for p in SYSTEMD.glob("worker-*.env.example")]
     assert len(ports) == len(set(ports)) == len(WORKER_LANES)
     assert FIELDS["worker_metrics_port"].default in ports
-
-
-def systemd_verify(units: list[Path], tmp_path: Path) -> str:
-    """`systemd-analyze verify` on copies that run this checkout's `tidegate`; the worker
-    template as its finance instance."""
-    tidegate = shutil.which("tidegate", path=str(Path(sys.executable).parent))
-    assert tidegate, "the tidegate command of this environment"
-    copies = []
-    for path in units:
-        name = path.name.replace("@.", "@finance.")
-        text = path.read_text().replace("/opt/tidegate/venv/bin/tidegate", tidegate)
-        (tmp_path / name).write_text(text)
-        copies.append(str(tmp_path / name))
-    done = subprocess.run(["systemd-analyze", "verify", "--man=no", *copies],
-                          capture_output=True, text=True, cwd=tmp_path)
-    return done.stdout + done.stderr
-
-
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="no systemd-analyze")
-def test_units_verify_with_systemd(tmp_path: Path) -> None:
-    assert systemd_verify(sorted(SYSTEMD.glob("*.service")), tmp_path) == ""
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "tidegate-api.service").write_text(
-        (SYSTEMD / "tidegate-api.service").read_text().replace("KillSignal", "KillSignall"))
-    assert "KillSignall" in systemd_verify([broken / "tidegate-api.service"], broken)
 
 
 # ---- Dockerfiles ------------------------------------------------------------------------

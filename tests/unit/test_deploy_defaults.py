@@ -7,12 +7,8 @@ carries. The processes themselves are tests/stack/test_deploy_defaults.py."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import yaml
@@ -20,7 +16,6 @@ from redbeat import RedBeatScheduler
 
 from api.fleet import active_workers, fleet_report
 from scheduler.beat import BEAT_LOCK_S, OneBeat, beat_config, redbeat_redis
-from tests.unit.test_deploy import compose_tool
 from tidegate.lanes import DEFAULT_LANES_FILE, LanesConfigError, load_lanes
 from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
@@ -193,78 +188,3 @@ def test_the_systemd_example_keeps_every_process_but_the_api_off_the_network() -
     assert defaults["metrics_host"].default == defaults["flower_host"].default == "127.0.0.1"
 
 
-needs_compose = pytest.mark.skipif(
-    compose_tool() is None, reason="neither docker-compose nor the docker compose plugin "
-    "installed (`make ops-tools` installs Debian's docker-compose)")
-
-
-def compose_config(**env: str) -> subprocess.CompletedProcess[str]:
-    """`docker-compose config` of deploy/compose.yml with `env` as the only variables (a
-    variable of this environment that the file reads would hide a missing one)."""
-    tool = compose_tool()
-    assert tool is not None
-    names = set(re.findall(r"\$\{(\w+)", COMPOSE.read_text()))
-    base = {k: v for k, v in os.environ.items() if k not in names}
-    return subprocess.run([*tool, "-f", str(COMPOSE), "--profile", "monitoring", "config"],
-                          env={**base, **env}, capture_output=True, text=True, timeout=60)
-
-
-def resolved(**env: str) -> dict[str, Any]:
-    done = compose_config(**env)
-    assert done.returncode == 0, done.stderr
-    return yaml.safe_load(done.stdout)
-
-
-@needs_compose
-@pytest.mark.parametrize("missing", sorted(PASSWORDS))
-def test_compose_refuses_to_start_without_each_password(missing: str) -> None:
-    others = {k: v for k, v in PASSWORDS.items() if k != missing}
-    refused = compose_config(**others)
-    assert refused.returncode != 0
-    assert missing in refused.stderr, refused.stderr
-    assert compose_config(**PASSWORDS).returncode == 0
-
-
-def published(service: dict[str, Any]) -> list[tuple[str, int]]:
-    """(host address, published port) of a service, from either form compose prints
-    (docker-compose 1.x: "127.0.0.1:8000:8000/tcp"; compose v2: mappings)."""
-    out = []
-    for port in service.get("ports", []):
-        if isinstance(port, dict):
-            out.append((port.get("host_ip", ""), int(port["published"])))
-        else:
-            parts = str(port).split("/")[0].rsplit(":", 2)
-            out.append((parts[0] if len(parts) == 3 else "", int(parts[-2])))
-    return out
-
-
-@needs_compose
-def test_compose_publishes_every_port_on_127_0_0_1_unless_asked() -> None:
-    services = resolved(**PASSWORDS)["services"]
-    ports = {name: published(s) for name, s in services.items() if published(s)}
-    assert ports == {name: [("127.0.0.1", port)] for name, (_, port) in PUBLISHED.items()}
-    asked = resolved(**PASSWORDS, TIDEGATE_BIND_ADDRESS="10.1.2.3",
-                     TIDEGATE_OPS_BIND_ADDRESS="10.4.5.6")["services"]
-    for name, (variable, port) in PUBLISHED.items():
-        address = "10.1.2.3" if variable == "TIDEGATE_BIND_ADDRESS" else "10.4.5.6"
-        assert published(asked[name]) == [(address, port)], name
-
-
-@needs_compose
-def test_compose_redis_takes_only_its_password_and_every_client_url_carries_it() -> None:
-    services = resolved(**PASSWORDS)["services"]
-    redis = services["redis"]
-    command = redis["command"]
-    assert "--requirepass" in command, command
-    assert command[command.index("--requirepass") + 1] == PASSWORDS["REDIS_PASSWORD"]
-    assert redis["environment"]["REDISCLI_AUTH"] == PASSWORDS["REDIS_PASSWORD"]
-    assert not published(redis) and not published(services["postgres"])
-    clients = {name: s["environment"]["TIDEGATE_REDIS_URL"] for name, s in services.items()
-               if "TIDEGATE_REDIS_URL" in (s.get("environment") or {})}
-    assert {"api", "scheduler", "webhooks", "flower", "migrate"} <= set(clients)
-    for name, url in clients.items():
-        assert urlsplit(url).password == PASSWORDS["REDIS_PASSWORD"], name
-        database = services[name]["environment"]["TIDEGATE_DATABASE_URL"]
-        assert urlsplit(database).password == PASSWORDS["POSTGRES_PASSWORD"], name
-    grafana = services["grafana"]["environment"]
-    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == PASSWORDS["GRAFANA_ADMIN_PASSWORD"]

@@ -23,6 +23,7 @@ class Client:
     def __init__(self) -> None:
         self.sent: list[Message] = []
         self.left = asyncio.Event()
+        self.got_frame = asyncio.Event()  # a body frame was sent: the stream is under way
 
     async def receive(self) -> Message:
         if not hasattr(self, "asked"):
@@ -33,6 +34,13 @@ class Client:
 
     async def send(self, message: Message) -> None:
         self.sent.append(message)
+        if message["type"] == "http.response.body":
+            self.got_frame.set()
+
+    async def under_way(self) -> None:
+        """Until the first frame went out: the stream then waits in its producer (this
+        task runs only once the stream's task awaits there)."""
+        await asyncio.wait_for(self.got_frame.wait(), 5)
 
     def bodies(self) -> list[bytes]:
         return [m["body"] for m in self.sent if m["type"] == "http.response.body"]
@@ -64,7 +72,7 @@ def test_a_client_that_leaves_ends_its_stream_and_gives_its_slot_back() -> None:
         client, given_back = Client(), []
         answer = EventStream(frames(1, then_wait=True), lambda: given_back.append(1))
         streaming = asyncio.create_task(answer(SCOPE, client.receive, client.send))
-        await asyncio.sleep(0.05)
+        await client.under_way()
         client.left.set()
         await asyncio.wait_for(streaming, 5)  # ends without raising
         assert client.bodies() == [b"id: 0\n\n"]
@@ -88,7 +96,7 @@ def test_a_cancel_that_wait_for_drops_does_not_keep_a_gone_clients_stream() -> N
         client, given_back = Client(), []
         answer = EventStream(swallowing(), lambda: given_back.append(1))
         streaming = asyncio.create_task(answer(SCOPE, client.receive, client.send))
-        await asyncio.sleep(0.05)
+        await client.under_way()
         client.left.set()
         await asyncio.wait_for(streaming, 5)
         assert client.bodies() == [b"id: 0\n\n"]
@@ -104,7 +112,7 @@ def test_a_cancel_from_elsewhere_goes_on_and_the_slot_is_given_back() -> None:
         client, given_back = Client(), []
         answer = EventStream(frames(1, then_wait=True), lambda: given_back.append(1))
         streaming = asyncio.create_task(answer(SCOPE, client.receive, client.send))
-        await asyncio.sleep(0.05)
+        await client.under_way()
         streaming.cancel()
         with pytest.raises(asyncio.CancelledError):
             await streaming

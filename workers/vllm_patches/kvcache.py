@@ -10,6 +10,10 @@ merely shares the virtual environment (the benchmarks' peer server) runs untouch
   freed or hit. =lru (or unset): vLLM's own queue, untouched.
 * TIDEGATE_VLLM_KV_STATS=FILE: the scheduler's time in `allocate_slots` per step is
   written to FILE (workers/kvcache/stats.py) for the worker's heartbeat.
+* TIDEGATE_VLLM_KV_ALLOC_DELAY_MS=MS (fault injection for tests and drills): each
+  `allocate_slots` call waits MS before it runs, inside the timed region, as a starved
+  allocator would: the health check's whole path (timing, heartbeat, scheduler) runs on a
+  real measurement (tests/stack/test_health_measured.py).
 
 The seams are vLLM internals (vllm/v1/core): `BlockPool.free_block_queue`,
 `BlockPool.touch`, `KVCacheManager.allocate_slots` / `free`, `Scheduler.schedule`. They
@@ -42,6 +46,7 @@ log = logging.getLogger("tidegate.kvcache")
 # so an engine started inside a test process cannot leak its choice into later workers.
 POLICY_ENV = "TIDEGATE_VLLM_KV_POLICY"
 STATS_ENV = "TIDEGATE_VLLM_KV_STATS"
+ALLOC_DELAY_ENV = "TIDEGATE_VLLM_KV_ALLOC_DELAY_MS"
 
 
 def register() -> None:
@@ -156,12 +161,15 @@ def _free(original: Any, manager: Any, request: Any) -> None:
 # --- allocation timing ---------------------------------------------------------------
 
 _step = {"alloc_s": 0.0, "evictions": 0}  # this process's scheduler step, as it runs
+_fault = {"delay_s": 0.0}  # ALLOC_DELAY_ENV, read when the scheduler is built
 
 
 def _allocate_slots(original: Any, manager: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
     queue = _tagged(manager, request)  # prefix hits (touch) and new blocks are this request's
     started = time.perf_counter()
     try:
+        if _fault["delay_s"]:  # unarmed: one lookup on this per-request, per-step path
+            time.sleep(_fault["delay_s"])
         return original(manager, request, *args, **kwargs)
     finally:
         _step["alloc_s"] += time.perf_counter() - started
@@ -179,6 +187,7 @@ def _scheduler_init(original: Any, scheduler: Any, *args: Any, **kwargs: Any) ->
     original(scheduler, *args, **kwargs)
     path = os.environ.get(STATS_ENV)
     scheduler._tidegate_stats = AllocStatsWriter(Path(path)) if path else None
+    _fault["delay_s"] = float(os.environ.get(ALLOC_DELAY_ENV) or 0) / 1000
 
 
 def _schedule(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
