@@ -106,11 +106,13 @@ def settings_for(url: str, redis_url: str, **values: Any) -> Settings:
 
 
 @contextlib.contextmanager
-def floor_on(url: str, tmp_root: Path, **values: Any) -> Iterator[Floor]:
-    """The API in-process on database `url`, Redis database 6 (emptied before and after),
-    tenants `x` and `y` on the chat and batch lanes."""
+def floor_on(url: str, tmp_root: Path, redis_db: int = REDIS_DB,
+             **values: Any) -> Iterator[Floor]:
+    """The API in-process on database `url`, Redis database `redis_db` (this module's 6 by
+    default; emptied before and after), tenants `x` and `y` on the chat and batch lanes;
+    `values` are settings (tests/stack/test_batch_limits.py passes its own)."""
     upgrade(url)
-    redis_url = os.environ["TIDEGATE_REDIS_URL"].rsplit("/", 1)[0] + f"/{REDIS_DB}"
+    redis_url = os.environ["TIDEGATE_REDIS_URL"].rsplit("/", 1)[0] + f"/{redis_db}"
     settings = settings_for(url, redis_url, **values)
     store = Store(url)
     made = {name: store.create_tenant(f"{name}-{uuid.uuid4().hex[:6]}", ["chat", "batch"])
@@ -125,6 +127,7 @@ def floor_on(url: str, tmp_root: Path, **values: Any) -> Iterator[Floor]:
                         {n: rec.id for n, (rec, _) in made.items()})
     finally:
         client.flushdb()
+        store.engine.dispose()
 
 
 @pytest.fixture()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -23,16 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
-from fastapi.testclient import TestClient
 
 import api.batch_driver
-from api.app import create_app
 from api.batch_driver import Driver
 from api.deps import Deps
-from store import Store, upgrade
 from store.batches import Batches
-from tests.stack.test_batch_isolation import Floor, request, settings_for
+from tests.stack.test_batch_isolation import Floor, floor_on, request
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate import keys
 from tidegate.records import JobStatus
@@ -62,27 +57,12 @@ def plain_batch_lanes(tmp_root: Path) -> Path:
 
 @contextlib.contextmanager
 def floor_on_db(tmp_root: Path, **values: Any) -> Iterator[Floor]:
-    """The API in-process on a SQLite file of its own and Redis database 26 (emptied
+    """The API in-process on a SQLite file of its own and Redis database REDIS_DB (emptied
     before and after), tenants `x` and `y` on the chat and batch lanes."""
     url = f"sqlite:///{tmp_root / f'batch-limits-{uuid.uuid4().hex[:8]}.db'}"
-    upgrade(url)
-    redis_url = os.environ["TIDEGATE_REDIS_URL"].rsplit("/", 1)[0] + f"/{REDIS_DB}"
-    settings = settings_for(url, redis_url, namespace="tgbatchlimits",
-                            lanes_file=plain_batch_lanes(tmp_root), **values)
-    store = Store(url)
-    made = {name: store.create_tenant(f"{name}-{uuid.uuid4().hex[:6]}", ["chat", "batch"])
-            for name in ("x", "y")}
-    client = redis.Redis.from_url(redis_url)
-    client.flushdb()
-    advertise_chat_worker(client, settings)
-    try:
-        with TestClient(create_app(settings)) as http:
-            yield Floor(http, store, Batches(store), client, settings,
-                        {n: key for n, (_, key) in made.items()},
-                        {n: rec.id for n, (rec, _) in made.items()})
-    finally:
-        client.flushdb()
-        store.engine.dispose()
+    with floor_on(url, tmp_root, REDIS_DB, namespace="tgbatchlimits",
+                  lanes_file=plain_batch_lanes(tmp_root), **values) as floor:
+        yield floor
 
 
 @contextlib.contextmanager
