@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -282,3 +283,19 @@ def running_driver(settings: Any) -> Iterator[threading.Thread]:
     finally:
         stop.set()
         thread.join(timeout=30)
+
+
+def next_frame(lines: Iterator[str], deadline: float) -> dict[str, str] | None:
+    """The next SSE frame (field -> value), None at the stream's end; fails at `deadline`
+    (checked at each line: a keep-alive comes every TIDEGATE_SSE_KEEPALIVE_S)."""
+    frame: dict[str, str] = {}
+    for line in lines:
+        assert time.monotonic() < deadline, "the stream went on past its deadline"
+        if line.startswith(":"):
+            continue
+        if line:
+            name, _, value = line.partition(": ")
+            frame[name] = value
+        elif frame:
+            return frame
+    return frame or None

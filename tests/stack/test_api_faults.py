@@ -32,7 +32,7 @@ from tidegate_client import Event as SdkEvent
 
 from store import Store, upgrade
 from store.tenants import Tenants
-from tests.helpers import advertise
+from tests.helpers import advertise, next_frame
 from tidegate import keys
 from tidegate.events import Event, Kind
 from tidegate_tools.procs import Proc, free_port, start_api, wait_until
@@ -121,22 +121,6 @@ def submit(port: int, key: str, **extra: Any) -> str:
                       headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 202, resp.text
     return str(resp.json()["job_id"])
-
-
-def next_frame(lines: Iterator[str], deadline: float) -> dict[str, str] | None:
-    """The next SSE frame (field -> value), None at the stream's end; fails at `deadline`
-    (checked at each line: a keep-alive comes every TIDEGATE_SSE_KEEPALIVE_S)."""
-    frame: dict[str, str] = {}
-    for line in lines:
-        assert time.monotonic() < deadline, "the stream went on past its deadline"
-        if line.startswith(":"):
-            continue
-        if line:
-            name, _, value = line.partition(": ")
-            frame[name] = value
-        elif frame:
-            return frame
-    return frame or None
 
 
 def frames_until_end(lines: Iterator[str], deadline: float) -> list[dict[str, str]]:

@@ -12,6 +12,7 @@ advertised (tests/helpers.py), so the jobs stay queued."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ import redis
 
 from api.server import listening
 from store import Store, upgrade
-from tests.helpers import advertise
+from tests.helpers import advertise, next_frame
 from tidegate import keys
 from tidegate.events import Event
 from tidegate_tools.procs import Proc, free_port, tidegate_argv, wait_until
@@ -104,19 +105,13 @@ def sse(api: Api, job_id: str, last_event_id: int | None = None) -> list[tuple[s
     headers = {"Authorization": f"Bearer {api.key}"}
     if last_event_id is not None:
         headers["Last-Event-ID"] = str(last_event_id)
-    frames, frame = [], {}
+    frames = []
     with httpx.Client(base_url=api.base_url, timeout=STOP_S) as http, http.stream(
             "GET", f"/v1/jobs/{job_id}/events", headers=headers) as resp:
         assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith(":"):
-                continue
-            if line:
-                name, _, value = line.partition(": ")
-                frame[name] = value
-            elif frame:
-                frames.append((frame.get("id", ""), frame["event"], frame["data"]))
-                frame = {}
+        lines = resp.iter_lines()
+        while (frame := next_frame(lines, math.inf)) is not None:
+            frames.append((frame.get("id", ""), frame["event"], frame["data"]))
     return frames
 
 
