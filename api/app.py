@@ -95,7 +95,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        refusal=_body_refusal(deps))
     # Outermost: a stranger's request is refused before anything else runs (api/frontgate.py).
     app.add_middleware(FrontGate, gate=lambda: deps.key_gate,
-                       render=lambda path, exc: error_response(deps, path, exc))
+                       render=lambda path, exc: error_response(deps, path, exc),
+                       hold_s=settings.auth_failure_hold_s,
+                       max_held=settings.auth_failure_holds)
     app.add_exception_handler(ApiError, handle_api_error)
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)

@@ -186,10 +186,10 @@ class Driver:
         if b.status == "validating":
             b = self.batches.update_batch(b.id, expect=("validating",), status="in_progress",
                                           in_progress_at=utcnow()) or b
-        if b.status == "in_progress" and utcnow() >= b.expires_at:
+        jobs = self.batches.line_jobs(b.tenant_id, b.id, b.submitted)
+        if b.status == "in_progress" and utcnow() >= b.expires_at and not all_ended(b, jobs):
             b = self.batches.update_batch(b.id, expect=("in_progress",), status="cancelling",
                                           cancelling_at=utcnow(), expired_at=utcnow()) or b
-        jobs = self.batches.line_jobs(b.tenant_id, b.id, b.submitted)
         if b.status == "in_progress":
             b = self._submit_more(b, tenant, jobs)
             jobs = self.batches.line_jobs(b.tenant_id, b.id, b.submitted)
@@ -398,3 +398,11 @@ def run_driver(settings: Settings, stop: threading.Event) -> None:
     finally:
         deps.admission.close()
         deps.sync_redis.close()
+
+
+def all_ended(b: BatchRecord, jobs: dict[int, JobRecord]) -> bool:
+    """Every line was sent and has ended: a batch that finished inside its window but is
+    seen past it ends `completed`, not `expired` with nothing expired."""
+    refused = {e["line"] for e in b.line_errors}
+    return b.submitted >= b.total and all(
+        job.terminal for i, job in jobs.items() if i not in refused)

@@ -22,7 +22,7 @@ from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import FailedAuth, KeyGate, OpenStreams, Tenant, bearer_key, tenant_for_key
 from api.errors import ApiError, malformed, not_found, unauthorized
 from api.fleet import FLEET_CACHE_S, FleetCache  # noqa: F401  (FLEET_CACHE_S: for the tests)
-from api.limits import Backlogs, InFlightCounts, MonthUsage
+from api.limits import Backlogs, InFlightCounts, MonthUsage, Refresher
 from api.metrics import ApiMetrics
 from api.openai_api import error_body
 from api.prompts import PromptRenderer
@@ -90,10 +90,13 @@ class Deps:
         # The tokenizer's files only: an API pod holds no weights (TIDEGATE_TOKENIZER).
         self.prompts = PromptRenderer(settings.tokenizer_path)
         self.metrics = ApiMetrics()
-        self.in_flight = InFlightCounts(self.store.count_in_flight)
-        self.backlogs = Backlogs(lambda queues: queue_lengths(self.sync_redis, queues))
+        # The three reads a submit's bounds need, run behind the submits (api/limits.py).
+        behind = Refresher()
+        self.in_flight = InFlightCounts(self.store.count_in_flight, behind=behind)
+        self.backlogs = Backlogs(lambda queues: queue_lengths(self.sync_redis, queues),
+                                 behind=behind)
         self.rate_limits = RateLimits(self.sync_redis, settings.namespace)
-        self.month_usage = MonthUsage(Usage(self.store).tokens_since)
+        self.month_usage = MonthUsage(Usage(self.store).tokens_since, behind=behind)
         self.admission = Admission(SUBMIT_THREADS, settings.max_admission_waiting,
                                    MAX_UNKNOWN_WAITING)
         # Keys are checked on the event loop before a body is read (api/auth.py).

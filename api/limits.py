@@ -24,11 +24,20 @@
 
 Both caps are read, then the job written: concurrent submits can pass a bound by the
 number of admission threads. They are load bounds, not quotas.
+
+Each of the three reads runs behind the submits once its value is past its freshness
+(Refresher): a value up to STALE_GRACE_S older answers the submit while one thread reads
+the new one. Read inline, every such read was one more round trip a submit waited on, and
+under load (a busy event loop holding the GIL, a busy store) the one that took its p99
+from 10 to 33 ms (bench/noisy_neighbour.py). Older than that (an idle tenant, a store that
+stopped answering), the submit reads inline, as before, and gets its 503.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +50,50 @@ from tidegate.lanes import Lane
 
 if TYPE_CHECKING:  # api.auth reads the HTTP request: api/submit.py charges without FastAPI
     from api.auth import Tenant
+
+log = logging.getLogger(__name__)
+
+STALE_GRACE_S = 1.0  # past its freshness, how much older a value may answer a submit
+
+
+class Refresher:
+    """Reads run behind the submits, on one thread, one at a time, each key at most once
+    waiting. A read that fails is dropped: the value goes on ageing, and past its grace the
+    next submit reads it inline (and meets the failure itself)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: set[Any] = set()
+        self._reads: queue.SimpleQueue[tuple[Any, Callable[[], object]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def ask(self, key: Any, read: Callable[[], object]) -> None:
+        with self._lock:
+            if key in self._waiting:
+                return
+            self._waiting.add(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="api-refresher",
+                                                daemon=True)
+                self._thread.start()
+        self._reads.put((key, read))
+
+    def _run(self) -> None:
+        while True:
+            key, read = self._reads.get()
+            try:
+                read()
+            except Exception as exc:  # noqa: BLE001 - the submits read inline past the grace
+                log.debug("a read behind the submits failed (%s)", type(exc).__name__)
+            finally:
+                with self._lock:
+                    self._waiting.discard(key)
+
+
+def cached(age: float, fresh_s: float, behind: Refresher | None) -> bool:
+    """Whether a value `age` seconds old answers: fresh, or within its grace with a
+    refresher to read the next one."""
+    return age <= fresh_s or (behind is not None and age <= fresh_s + STALE_GRACE_S)
 
 
 def _limits(tenant: Tenant, tokens: int) -> list[tuple[str, int, int]]:
@@ -127,9 +180,10 @@ class MonthUsage:
     time (and by the jobs in flight, counted when they end), which a budget of tokens per
     month can take; a read per submit cannot be."""
 
-    def __init__(self, read: Callable[[int, date], int], fresh_s: float = USAGE_FRESH_S) -> None:
+    def __init__(self, read: Callable[[int, date], int], fresh_s: float = USAGE_FRESH_S,
+                 behind: Refresher | None = None) -> None:
         self._read = read
-        self._fresh_s = fresh_s
+        self._fresh_s, self._behind = fresh_s, behind
         self._lock = threading.Lock()
         self._known: dict[int, tuple[float, date, int]] = {}  # tenant -> (at, month, tokens)
 
@@ -137,8 +191,14 @@ class MonthUsage:
         now, month = time.monotonic(), month_start(datetime.now(UTC).date())
         with self._lock:
             read_at, known_month, tokens = self._known.get(tenant_id, (-1e9, month, 0))
-        if now - read_at <= self._fresh_s and known_month == month:
+        if known_month == month and cached(now - read_at, self._fresh_s, self._behind):
+            if now - read_at > self._fresh_s and self._behind is not None:
+                self._behind.ask(("usage", tenant_id), lambda: self._refresh(tenant_id, month))
             return tokens
+        return self._refresh(tenant_id, month)
+
+    def _refresh(self, tenant_id: int, month: date) -> int:
+        now = time.monotonic()
         tokens = self._read(tenant_id, month)
         with self._lock:
             self._known[tenant_id] = (now, month, tokens)
@@ -210,9 +270,10 @@ class InFlightCounts:
     meanwhile keeps its place until the next read (at most `fresh_s`), so the cap errs on
     the side of refusing; a cancel through this process gives the place back at once."""
 
-    def __init__(self, count: Callable[[int], int], fresh_s: float = IN_FLIGHT_FRESH_S) -> None:
+    def __init__(self, count: Callable[[int], int], fresh_s: float = IN_FLIGHT_FRESH_S,
+                 behind: Refresher | None = None) -> None:
         self._count = count
-        self._fresh_s = fresh_s
+        self._fresh_s, self._behind = fresh_s, behind
         self._lock = threading.Lock()
         self._known: dict[int, tuple[float, int]] = {}  # tenant -> (read at, count)
 
@@ -220,8 +281,16 @@ class InFlightCounts:
         now = time.monotonic()
         with self._lock:
             read_at, known = self._known.get(tenant_id, (-1e9, 0))
-        if now - read_at <= self._fresh_s:
+        if cached(now - read_at, self._fresh_s, self._behind):
+            if now - read_at > self._fresh_s and self._behind is not None:
+                self._behind.ask(("in_flight", tenant_id), lambda: self._refresh(tenant_id))
             return known
+        return self._refresh(tenant_id)
+
+    def _refresh(self, tenant_id: int) -> int:
+        """The store's count; the jobs admitted here while it was read are in it or will
+        be seen at the next read (a load bound: it errs by what raced the read)."""
+        now = time.monotonic()
         counted = self._count(tenant_id)
         with self._lock:
             self._known[tenant_id] = (now, counted)
@@ -252,9 +321,9 @@ class Backlogs:
     the same numbers."""
 
     def __init__(self, read: Callable[[list[str]], dict[str, int]],
-                 fresh_s: float = BACKLOG_FRESH_S) -> None:
+                 fresh_s: float = BACKLOG_FRESH_S, behind: Refresher | None = None) -> None:
         self._read = read
-        self._fresh_s = fresh_s
+        self._fresh_s, self._behind = fresh_s, behind
         self._lock = threading.Lock()
         self._known: dict[tuple[str, ...], tuple[float, dict[str, int]]] = {}
 
@@ -264,11 +333,17 @@ class Backlogs:
         now = time.monotonic()
         with self._lock:
             read_at, known = self._known.get(lane, (-1e9, {}))
-            if now - read_at <= self._fresh_s:
+            if cached(now - read_at, self._fresh_s, self._behind):
+                if now - read_at > self._fresh_s and self._behind is not None:
+                    self._behind.ask(("backlog", lane), lambda: self._refresh(queues))
                 return dict(known)
+        return self._refresh(queues)
+
+    def _refresh(self, queues: list[str]) -> dict[str, int]:
+        now = time.monotonic()
         counted = self._read(queues)
         with self._lock:
-            self._known[lane] = (now, counted)
+            self._known[tuple(queues)] = (now, counted)
         return dict(counted)
 
     def queued(self, queue: str) -> None:

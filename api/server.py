@@ -129,12 +129,21 @@ class OneWriteProtocol(HttpToolsProtocol):
         super().connection_made(joined)  # type: ignore[arg-type]
 
 
+# The admission threads (api/admission.py) run a submit's store and Redis calls; each call's
+# return waits for the GIL, which a busy event loop hands over only every switch interval
+# (5 ms by default). A submit makes several such calls, so under a flood of cheap refusals
+# it paid up to 5 ms for each (bench/noisy_neighbour.py). At 1 ms the
+# wait is a fifth, for a few more GIL handovers a second.
+GIL_SWITCH_S = 0.001
+
+
 def serve(app: ASGIApp, host: str, port: int, log_level: str, quiet: QuietRefusals,
           sock: socket.socket | None = None) -> None:
     """Serves `app` on host:port, or on `sock` (a socket `listening` made, handed down by
     `run_processes`)."""
     import uvicorn
 
+    sys.setswitchinterval(GIL_SWITCH_S)
     # log_config=None: uvicorn's loggers stay as the caller's setup_logging left them.
     config = uvicorn.Config(AccessLog(app, quiet), host=host, port=port, log_config=None,
                             log_level=log_level, access_log=False, http=OneWriteProtocol)

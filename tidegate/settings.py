@@ -106,6 +106,18 @@ class Settings(BaseSettings):
     auth_failure_window_s: int = Field(
         60, gt=0,
         description="The window of TIDEGATE_AUTH_FAILURES, in seconds.")
+    # A flood holds a connection's next request behind the answer to its last: holding the
+    # 429 cuts what each of its connections sends from as fast as it is answered to one a
+    # hold, at the cost of a sleeping coroutine (api/frontgate.py).
+    auth_failure_hold_s: float = Field(
+        1.0, ge=0,
+        description="An address past its TIDEGATE_AUTH_FAILURES gets its 429 after this many "
+        "seconds (at most its Retry-After; 0: at once), so each of its connections sends one "
+        "request a hold instead of as many as the API answers.")
+    auth_failure_holds: int = Field(
+        4096, ge=0,
+        description="429s held at once at most (TIDEGATE_AUTH_FAILURE_HOLD_S); past them a 429 "
+        "is answered at once.")
 
     # Load bounds (api/limits.py): over one, a 429 or 503 with Retry-After, never a wait.
     # Non-terminal jobs (queued or running) one tenant may have; the store counts them.

@@ -47,6 +47,7 @@ CHUNK = b" " * (64 * 1024)  # JSON whitespace: a body that is valid until it is 
 HUGE_CHUNKS = 4096  # 256 MiB, never sent whole: the server must stop reading long before
 READ_AT_MOST = 16 * 1024 * 1024  # what socket buffers hold, and then some
 BODY_LIMIT = 64 * 1024
+HOLD_S = 1.0  # TIDEGATE_AUTH_FAILURE_HOLD_S: a 429 for too many 401s comes 0.5-1.5 holds late
 LOOKUP_S = 0.02  # a key lookup's time under load, in the flood
 CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # what breaks or hides a line
 
@@ -184,7 +185,8 @@ def test_an_unknown_key_hears_401_before_its_body_is_read(
 
 def test_401s_past_the_limit_from_one_address_answer_429_with_retry_after(
         redis_server: str, model_path: Path, tmp_root: Path) -> None:
-    with front_door(redis_server, tmp_root, "authlimit", auth_failures=5) as own:
+    with front_door(redis_server, tmp_root, "authlimit", auth_failures=5,
+                    auth_failure_hold_s=HOLD_S) as own:
         key = own.store.create_tenant("authlimit", ["chat"])[1]
         with client(own, key, "127.0.0.3") as known:
             assert known.post("/v1/jobs", json=JOB).status_code == 202
@@ -193,8 +195,11 @@ def test_401s_past_the_limit_from_one_address_answer_429_with_retry_after(
                 resp = http.get("/v1/jobs", headers={"Authorization": f"Bearer {unknown_key()}"})
                 assert resp.status_code == 401, resp.text
             for headers in ({"Authorization": f"Bearer {unknown_key()}"}, {}):
+                asked = time.monotonic()
                 resp = http.get("/v1/jobs", headers=headers)
                 assert resp.status_code == 429, resp.text
+                # held back (at least half a hold): a flood's connection sends one a hold
+                assert time.monotonic() - asked >= HOLD_S / 2
                 assert resp.json()["error"]["type"] == "auth_failures"
                 assert 1 <= int(resp.headers["Retry-After"]) <= 60
         with client(own, key, "127.0.0.3") as known:  # a key found valid before goes on

@@ -3,6 +3,7 @@ headers built from a window, the budget's refusal, and the month's cached read."
 
 from __future__ import annotations
 
+import threading
 from datetime import date
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ import pytest
 from api import limits
 from api.errors import ApiError
 from tidegate.ratelimit import Window, duration, unused_tokens
+from tidegate_tools.procs import wait_until
 
 
 @pytest.mark.parametrize(("seconds", "text"), [
@@ -62,3 +64,27 @@ def test_the_month_is_read_at_most_every_fresh_s_per_tenant() -> None:
     assert usage.get(1) == 5 and usage.get(1) == 5 and usage.get(2) == 10
     assert len(reads) == 2 and all(first.day == 1 for _, first in reads)
     assert limits.MonthUsage(read, fresh_s=0).get(1) == 15  # stale at once: read again
+
+
+def test_a_stale_count_answers_while_the_next_is_read_behind_and_a_lost_one_is_read_inline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past fresh_s a submit gets the count it had while the refresher reads the next;
+    past the grace too it reads the count itself (and would meet a store's failure)."""
+    counts, reads, read_behind = [4], [], threading.Event()
+
+    def count(tenant_id: int) -> int:
+        reads.append(threading.current_thread().name)
+        if threading.current_thread().name == "api-refresher":
+            read_behind.set()
+        return counts[0]
+
+    in_flight = limits.InFlightCounts(count, fresh_s=0, behind=limits.Refresher())
+    assert in_flight.get(1) == 4 and reads == ["MainThread"]  # none known: read inline
+    counts[0] = 9
+    assert in_flight.get(1) == 4  # stale: the known count answers, the next is read behind
+    assert read_behind.wait(10), "the refresher never read the count"
+    wait_until(lambda: in_flight.get(1) == 9, 10, "the count read behind to answer")
+    monkeypatch.setattr(limits, "STALE_GRACE_S", 0.0)
+    counts[0], inline = 2, reads.count("MainThread")
+    assert in_flight.get(1) == 2  # past the grace: read inline
+    assert reads.count("MainThread") == inline + 1
