@@ -110,7 +110,7 @@ class Settings(BaseSettings):
     # 429 cuts what each of its connections sends from as fast as it is answered to one a
     # hold, at the cost of a sleeping coroutine (api/frontgate.py).
     auth_failure_hold_s: float = Field(
-        1.0, ge=0,
+        2.0, ge=0,
         description="An address past its TIDEGATE_AUTH_FAILURES gets its 429 after this many "
         "seconds (at most its Retry-After; 0: at once), so each of its connections sends one "
         "request a hold instead of as many as the API answers.")
@@ -258,6 +258,14 @@ class Settings(BaseSettings):
     # (doubling, capped at an hour, with jitter), when a delivery gives up, the delivery
     # threads, the dispatcher's period, and how long a rotated signing secret keeps
     # signing beside the new one.
+    # The batch driver and the webhook sender are background work: what a hostile tenant's
+    # bad batches or slow receivers cost them must come after the API's and the workers'
+    # CPU on a node they share (tidegate/niceness.py).
+    background_nice: int = Field(
+        5, ge=0, le=19,
+        description="OS niceness (0-19) of the batch driver (`tidegate batches`) and the "
+        "webhook sender (`tidegate webhooks`): their CPU comes after the API's and the "
+        "lanes' workers' at a lower cpu_nice on a shared node.")
     webhook_allow_private: bool = Field(
         False,
         description="Let callback URLs reach private, loopback, link-local and CGNAT addresses "

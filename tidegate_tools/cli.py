@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tidegate.niceness import lower_cpu_priority
 from tidegate.settings import get_settings
 
 
@@ -223,6 +224,7 @@ def _batches(args: argparse.Namespace) -> None:
     settings = get_settings()
     _log_level(args)
     setup_logging(settings, "batches")
+    lower_cpu_priority(settings.background_nice, "TIDEGATE_BACKGROUND_NICE")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -232,7 +234,9 @@ def _batches(args: argparse.Namespace) -> None:
 def _webhooks(args: argparse.Namespace) -> None:
     from tasks.webhooks import run_webhook_worker
 
-    run_webhook_worker(_log_level(args))
+    level = _log_level(args)
+    lower_cpu_priority(get_settings().background_nice, "TIDEGATE_BACKGROUND_NICE")
+    run_webhook_worker(level)
 
 
 LOGLEVEL_HELP = "DEBUG, INFO, WARNING, ... (default TIDEGATE_LOG_LEVEL)"

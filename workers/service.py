@@ -5,7 +5,6 @@ thread per engine slot) and the hooks of workers/celery_hooks.py.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -20,48 +19,12 @@ from tasks.app import run_celery
 from tasks.payloads import GENERATE
 from tidegate import keys, logs
 from tidegate.lanes import pool_queue
+from tidegate.niceness import lower_cpu_priority
 from tidegate.settings import Settings, get_settings
 from workers import celery_hooks
 from workers import metrics as worker_metrics
 
 log = logging.getLogger("tidegate.worker")
-
-
-def lower_cpu_priority(nice: int) -> None:
-    """This process at niceness `nice`, before its threads and engine process start (both
-    inherit it). Linux keeps a niceness per thread, so threads already running are set one
-    by one. Only ever lowers the priority: raising it needs privileges."""
-    if nice <= os.getpriority(os.PRIO_PROCESS, 0):
-        return
-    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") \
-        else [0]
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    log.info("CPU priority lowered to niceness %d (the lane's cpu_nice)", nice)
-    _session_nice(nice)
-
-
-AUTOGROUP = Path("/proc/self/autogroup")
-
-
-def _session_nice(nice: int) -> None:
-    """Linux's autogroup scheduling shares the CPU between sessions first, so a niceness
-    only counts against processes of the same session: a worker in a session of its own
-    (tidegate's process tools, systemd and containers start it so) sets its session's
-    niceness too. In someone else's session (a shell's) that would slow the rest of it:
-    left alone, and said."""
-    if not AUTOGROUP.exists():
-        return
-    if os.getsid(0) not in (os.getpid(), os.getppid()):  # the supervisor leads its own
-        log.warning("cpu_nice %d counts only against this session's processes: start the "
-                    "worker in a session of its own (setsid) for it to count against others",
-                    nice)
-        return
-    try:
-        AUTOGROUP.write_text(str(nice))
-    except OSError as exc:
-        log.warning("could not set this session's niceness to %d: %s", nice, exc)
 
 
 def engine_logs_like_ours(settings: Settings) -> None:
@@ -137,7 +100,7 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
         log.warning("metrics port %d is taken: this worker serves /metrics on %d once its "
                     "engine is loaded (in its heartbeat and `tidegate status`)", preferred, port)
     engine_logs_like_ours(settings)
-    lower_cpu_priority(settings.lanes[lane].cpu_nice)
+    lower_cpu_priority(settings.lanes[lane].cpu_nice, "the lane's cpu_nice")
     celery_hooks.register(celery_app)
     queues = [keys.direct_queue(settings.namespace, name)]
     if not standby:  # a standby worker: engine loaded and warmed, its direct queue only
