@@ -1,9 +1,10 @@
 """The end-to-end floor on PostgreSQL (production's database): a second stack, the API and
 one chat worker, on a private PostgreSQL database and a Redis DB of its own, runs a subset
 of tests/stack/test_e2e.py against rows PostgreSQL stored: the streamed tokens and the
-row's output and timings, a resume by Last-Event-ID, a cancel mid-generation, metrics
-against the row's figures, and an idempotent replay. (Chat: its lane yields the CPU, so
-the test reads streams while jobs generate.)"""
+row's output and timings, a resume by Last-Event-ID (of an ended job, and of a live one,
+by the header and through the SDK over a proxy that drops the connection), a cancel
+mid-generation, metrics against the row's figures, and an idempotent replay. (Chat: its
+lane yields the CPU, so the test reads streams while jobs generate.)"""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import redis
 from store import Store, upgrade
 from tests.helpers import Stack, make_tenant, postgres_or_skip
 from tests.stack import test_e2e as e2e
+from tests.stack import test_sdk as sdk
 from tidegate_tools.pg import private_database
 from tidegate_tools.stack import WorkerSpec, running_stack
 
@@ -65,6 +67,14 @@ def test_row_and_done_event_carry_the_timings_on_postgres(pg_stack: Stack) -> No
 
 def test_last_event_id_resumes_on_postgres(pg_stack: Stack) -> None:
     e2e.test_last_event_id_resumes_with_exactly_the_remainder(pg_stack)
+
+
+def test_a_stream_dropped_mid_generation_resumes_on_postgres(pg_stack: Stack) -> None:
+    sdk.test_a_stream_dropped_mid_generation_resumes_after_last_event_id(pg_stack, "header")
+
+
+def test_the_sdk_resumes_a_live_stream_on_postgres(pg_stack: Stack) -> None:
+    sdk.test_sync_stream_resumes_while_the_job_is_generating(pg_stack)
 
 
 def test_delete_during_generation_on_postgres(pg_stack: Stack) -> None:

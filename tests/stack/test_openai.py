@@ -1,7 +1,8 @@
 """The official `openai` SDK, unchanged, against the real stack (API, Celery workers
 hosting vLLM on CPU, Redis, the store): chat and text completions, sync and async,
 streaming and not; service tiers choosing lanes; a completion is a job; a client that
-leaves cancels its job; the Batch API from upload to output file; rate limits."""
+leaves cancels its job (but not on a lane with keep_on_disconnect); the Batch API from
+upload to output file; rate limits."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import asyncio
 import io
 import json
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from api.app import create_app
 from store.batches import Batches
-from tests.helpers import Stack, engine_stats, make_tenant
+from tests.helpers import Stack, end_tokens_banned, engine_stats, make_tenant, served
+from tidegate.settings import Settings, get_settings
 from tidegate_tools.procs import wait_until
 
 MODEL = "tidegate-test"
@@ -129,6 +133,33 @@ def test_a_client_that_leaves_a_stream_cancels_its_job(stack: Stack, key: str) -
     assert engine_stats(worker)["aborted"] == aborted[worker] + 1
     assert engine_stats(worker)["unfinished"] == 0
     assert (job.get("usage") or {}).get("completion_tokens", 0) < 200
+
+
+def test_a_lane_that_keeps_its_jobs_runs_a_left_streams_job_to_its_end(
+        stack: Stack, key: str, tmp_root: Path, model_path: Path) -> None:
+    """A lane with keep_on_disconnect = true: a second API (in this process, on the
+    session's Redis, store and workers; only its lanes file differs) lets the job of a
+    stream its client left run on to `done`, its row keeping the whole answer."""
+    lanes = tmp_root / "lanes-keep.toml"
+    lanes.write_text(get_settings().lanes_file.read_text().replace(
+        "[lanes.chat]\n", "[lanes.chat]\nkeep_on_disconnect = true\n", 1))
+    # A new Settings, not a model_copy: the copy would keep the cached `lanes`.
+    keeping = create_app(Settings(lanes_file=lanes))
+    body = {"model": MODEL, "messages": USER, "max_tokens": 200, "stream": True,
+            "logit_bias": end_tokens_banned(model_path)}  # runs to max_tokens
+    with served(keeping) as base_url, httpx.stream(
+            "POST", f"{base_url}/v1/chat/completions", json=body,
+            headers={"Authorization": f"Bearer {key}"}, timeout=60) as resp:
+        assert resp.status_code == 200
+        chunks = (json.loads(line.removeprefix("data: ")) for line in resp.iter_lines()
+                  if line.startswith("data: {"))
+        completion_id = next(c for c in chunks if c["choices"] and c["choices"][0]["delta"].get(
+            "content"))["id"]
+    wait_until(lambda: job_of(stack, completion_id, key)["status"] not in ("queued", "running"),
+               120, "the job of the stream its client left to end")
+    job = job_of(stack, completion_id, key)
+    assert job["status"] == "done" and job["completion_tokens"] == 200
+    assert len(job["output_text"]) > 0
 
 
 def test_a_rate_limited_tenant_gets_the_sdks_rate_limit_error(stack: Stack) -> None:

@@ -13,7 +13,6 @@ with room to cancel a long answer)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import threading
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ import openai
 import pytest
 
 from store import Store
-from tests.helpers import api_of_its_own, engine_stats, hold
+from tests.helpers import api_of_its_own, end_tokens_banned, engine_stats, hold
 from tidegate_tools.procs import Proc, start_worker, wait_until
 from tidegate_tools.stack import api_ready
 
@@ -270,14 +269,6 @@ def running_job(stack: Stack, key: str) -> str | None:
                      headers={"Authorization": f"Bearer {key}"})
     jobs = resp.json()["data"] if resp.status_code == 200 else []
     return jobs[0]["id"] if jobs else None
-
-
-def end_tokens_banned(model_path: Path) -> dict[str, int]:
-    """logit_bias banning the checkpoint's end tokens: an answer free to end at any token
-    ended before its cancel in one CI run. With it, and 8 choices, the job runs for
-    seconds (the toy model makes one choice's 1,500 tokens in well under one)."""
-    ends = json.loads((model_path / "generation_config.json").read_text())["eos_token_id"]
-    return {str(token): -100 for token in (ends if isinstance(ends, list) else [ends])}
 
 
 def test_a_cancelled_job_is_an_error_to_its_client(stack: Stack, model_path: Path) -> None:

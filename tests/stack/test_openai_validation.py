@@ -2,12 +2,17 @@
 `param`, through the official `openai` SDK, unchanged; and a refused request leaves no job
 row and no queue message. The API runs in-process on its own Redis DB and database, with
 a chat worker's heartbeat advertised and no worker consuming, so the queues show exactly
-what was enqueued (as tests/stack/test_api_validation.py)."""
+what was enqueued (as tests/stack/test_api_validation.py). Besides: a batch goes on after
+its API and driver processes (real ones, `tidegate api` and `tidegate batches`) are
+SIGKILLed, finished by new ones."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +24,11 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from store import Store, upgrade
-from tests.helpers import running_driver
 from tests.stack.test_api_validation import advertise_worker, nothing_enqueued
 from tidegate import keys
 from tidegate.settings import Settings
-from tidegate_tools.procs import wait_until
+from tidegate_tools.procs import Proc, free_port, start_api, start_batches, wait_until
+from tidegate_tools.stack import api_ready
 
 USER = [{"role": "user", "content": "Where is my parcel?"}]
 
@@ -162,14 +167,17 @@ def advertise_chat_worker(client: redis.Redis, settings: Settings) -> None:
     client.set(keys.worker_heartbeat(settings.namespace, "chat-batch@test"), json.dumps(body))
 
 
-def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Path,
-                                              tmp_root: Path) -> None:
-    """A batch's state is in the store: the process that took it goes away, a worker ends
-    its jobs, and a new API process finishes the batch and writes its output file."""
+def test_a_batch_goes_on_after_its_api_and_driver_processes_are_killed(
+        redis_server: str, model_path: Path, tmp_root: Path) -> None:
+    """A batch's state is in the store: the API process that took it and the driver that
+    submitted its lines are SIGKILLed, a worker ends its jobs, and a new API process and
+    driver finish the batch and write its output file, no line submitted twice."""
     url = f"sqlite:///{tmp_root / 'openai-restart.db'}"
     upgrade(url)
     redis_url = redis_server.rsplit("/", 1)[0] + "/37"
-    settings = Settings(redis_url=redis_url, database_url=url, batch_poll_s=0.05)
+    settings = Settings(redis_url=redis_url, database_url=url)
+    env = {**os.environ, "TIDEGATE_REDIS_URL": redis_url, "TIDEGATE_DATABASE_URL": url,
+           "TIDEGATE_BATCH_POLL_S": "0.05", "TIDEGATE_BATCH_DRIVER_LOCK_S": "2"}
     store = Store(url)
     tenant, key = store.create_tenant("batch-restart", ["chat", "batch"])
     client = redis.Redis.from_url(redis_url)
@@ -180,27 +188,24 @@ def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Pat
                                 "body": {"model": "chat", "messages": USER, "max_tokens": 2}})
                     + "\n" for i in range(2)).encode()
     try:
-        # The first API process, and the batch driver (`tidegate batches`) beside it.
-        with TestClient(create_app(settings)) as http, running_driver(settings):
-            sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http,
-                                max_retries=0)
+        with api_and_driver(env, tmp_root / "logs", "first", key) as (sdk, procs):
             upload = sdk.files.create(file=("in.jsonl", io.BytesIO(lines)), purpose="batch")
             batch = sdk.batches.create(input_file_id=upload.id,
                                        endpoint="/v1/chat/completions", completion_window="24h")
-            wait_until(lambda: len(store.list_jobs(tenant.id)) == 2, 20,
-                       "the first process to submit the batch's lines")
+            wait_until(lambda: len(store.list_jobs(tenant.id)) == 2, 120,
+                       "the first driver to submit the batch's lines", procs)
+            for proc in procs:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
         jobs = store.list_jobs(tenant.id)
         assert {job.lane for job in jobs} == {"batch"} and all(j.priority == 0 for j in jobs)
         for job in jobs:  # what a worker does with them, while no API process runs
             store.claim_job(job.id, "chat-batch@test", "vllm")
             store.finish_job(job.id, "done", finish_reason="length", output_text="on its way",
                              completion_tokens=2)
-        # A new API process and driver.
-        with TestClient(create_app(settings)) as http, running_driver(settings):
-            sdk = openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http,
-                                max_retries=0)
-            wait_until(lambda: sdk.batches.retrieve(batch.id).status == "completed", 20,
-                       "the new process to complete the batch")
+        with api_and_driver(env, tmp_root / "logs", "second", key) as (sdk, procs):
+            wait_until(lambda: sdk.batches.retrieve(batch.id).status == "completed", 180,
+                       "the new processes to complete the batch", procs)
             done = sdk.batches.retrieve(batch.id)
             assert done.output_file_id is not None and done.error_file_id is None
             out = [json.loads(line) for line in
@@ -211,3 +216,20 @@ def test_a_batch_goes_on_in_a_new_api_process(redis_server: str, model_path: Pat
         assert len(store.list_jobs(tenant.id)) == 2  # no line was submitted twice
     finally:
         client.flushdb()
+
+
+@contextlib.contextmanager
+def api_and_driver(env: dict[str, str], logs: Path, name: str,
+                   key: str) -> Iterator[tuple[openai.OpenAI, list[Proc]]]:
+    """`tidegate api` and `tidegate batches`, each a process of its own, with the SDK on
+    the API; both stopped on the way out (a no-op for one the test killed)."""
+    port = free_port()
+    procs = [start_api(env, port, logs), start_batches(env, logs, f"batches-{name}")]
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: api_ready(base_url, []), 120, "the API to be ready", procs)
+        yield openai.OpenAI(base_url=f"{base_url}/v1", api_key=key, max_retries=0,
+                            timeout=60), procs
+    finally:
+        for proc in procs:
+            proc.stop()
