@@ -19,7 +19,7 @@ import pytest
 
 from api.app import create_app
 from store.batches import Batches
-from tests.helpers import Stack, end_tokens_banned, engine_stats, make_tenant, served
+from tests.helpers import Stack, end_tokens_banned, engine_stats, hold, make_tenant, served
 from tidegate.settings import Settings, get_settings
 from tidegate_tools.procs import wait_until
 
@@ -226,22 +226,32 @@ def test_a_cancelled_batch_cancels_its_jobs_and_ends_cancelled(stack: Stack, key
     long = [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/chat/completions",
              "body": {"model": MODEL, "max_tokens": 250, "messages": USER}} for i in range(4)]
     body = "".join(json.dumps(item) + "\n" for item in long).encode()
-    upload = client.files.create(file=("long.jsonl", io.BytesIO(body)), purpose="batch")
-    batch = client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
     batches = Batches(stack.store)
-    row = batches.get_batch(batch.id)
-    assert row is not None
+    # The chat worker (it runs the batch lane) holds the first line to stream 4 tokens, its
+    # engine request running on, so the cancel finds a line mid-generation however fast
+    # the engine (a CI run ended all four lines before the cancel).
+    worker = stack.workers["chat"]
+    hold([worker], 4, stack.broker_url)
+    try:
+        upload = client.files.create(file=("long.jsonl", io.BytesIO(body)), purpose="batch")
+        batch = client.batches.create(input_file_id=upload.id,
+                                      endpoint="/v1/chat/completions", completion_window="24h")
+        row = batches.get_batch(batch.id)
+        assert row is not None
 
-    def jobs() -> dict[int, Any]:
-        return batches.line_jobs(row.tenant_id, batch.id, len(long))
+        def jobs() -> dict[int, Any]:
+            return batches.line_jobs(row.tenant_id, batch.id, len(long))
 
-    # Cancelled once its lines are jobs, so that there are jobs for the cancel to end.
-    wait_until(lambda: len(jobs()) == len(long), 120, "the batch's lines to become jobs",
-               stack.procs, poll_s=0.2)
-    assert client.batches.cancel(batch.id).status == "cancelling"
-    wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", 120,
-               "the cancelled batch to end", stack.procs, poll_s=0.5)
+        # Cancelled once its lines are jobs, one of them held running.
+        wait_until(lambda: len(jobs()) == len(long), 120, "the batch's lines to become jobs",
+                   stack.procs, poll_s=0.2)
+        wait_until(lambda: engine_stats(worker, stack.broker_url)["held"], 120,
+                   "the worker to hold a line", stack.procs, poll_s=0.2)
+        assert client.batches.cancel(batch.id).status == "cancelling"
+        wait_until(lambda: client.batches.retrieve(batch.id).status == "cancelled", 120,
+                   "the cancelled batch to end", stack.procs, poll_s=0.5)
+    finally:
+        hold([worker], 0, stack.broker_url)
     final = client.batches.retrieve(batch.id)
     assert final.cancelled_at is not None and final.request_counts is not None
     assert final.request_counts.completed < 4
