@@ -346,6 +346,11 @@ class Backlogs:
             self._known[tuple(queues)] = (now, counted)
         return dict(counted)
 
+    def forget(self) -> None:
+        """The next get() reads Redis for every lane (its queues were emptied elsewhere)."""
+        with self._lock:
+            self._known.clear()
+
     def queued(self, queue: str) -> None:
         """This process put one message on `queue`."""
         with self._lock:

@@ -54,10 +54,13 @@ def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
 
 @pytest.fixture(autouse=True)
 def empty_queues(api: Api) -> Iterator[None]:
-    """Each case starts with empty lane queues (a cancelled job's message stays queued)."""
+    """Each case starts with empty lane queues (a cancelled job's message stays queued),
+    and the API reads them again: the depths it knows may be a second old (api/limits.py
+    Refresher), and the next case may start sooner."""
     yield
     for queue in QUEUES:
         api.redis.delete(*keys.queue_sublists(queue))
+    api.app.state.deps.backlogs.forget()
 
 
 def tenant(api: Api, name: str, lane: str) -> str:
