@@ -21,7 +21,7 @@ from starlette.types import Receive, Scope, Send
 from api.admission import Admission, RecentLanes, StreamSlots
 from api.auth import FailedAuth, KeyGate, OpenStreams, Tenant, bearer_key, tenant_for_key
 from api.errors import ApiError, malformed, not_found, unauthorized
-from api.fleet import FLEET_CACHE_S, FleetCache  # noqa: F401  (FLEET_CACHE_S: for the tests)
+from api.fleet import FLEET_CACHE_S, FleetCache, LentSlots  # noqa: F401  (FLEET_CACHE_S: for the tests)
 from api.limits import Backlogs, InFlightCounts, MonthUsage, Refresher
 from api.metrics import ApiMetrics
 from api.openai_api import error_body
@@ -106,6 +106,7 @@ class Deps:
         self.streams = StreamSlots(settings.sse_max_streams, settings.sse_max_streams_per_tenant)
         self.metrics.sse_streams.set_function(self.streams.open)
         self.recent_lanes = RecentLanes(RECENT_JOBS)
+        self.lent = LentSlots()  # borrowed jobs sent since each lender's beat
         # Refreshed at once on a worker's announcement (api/fleet.py follow_fleet, api/app.py).
         self.fleet_cache = FleetCache(lambda: read_fleet(self.sync_redis, settings.namespace),
                                       settings.fleet_cache_s)

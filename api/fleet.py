@@ -92,6 +92,38 @@ class FleetCache:
         self._generation += 1
 
 
+class LentSlots:
+    """The borrowed jobs this process sent to each worker (scheduler/router.py, step 4)
+    that the worker's last beat may not show yet. A beat is up to `heartbeat_s` old: without
+    this count one idle slot would draw every borrower of a burst. A send is forgotten once
+    a beat `margin_s` younger than it came (the beat then counts the job, running or
+    waiting). Each API process counts its own sends, so N processes may lend one slot N
+    times within a beat; the extra borrowers wait in the lender's engine, behind its own
+    lane's jobs, never ahead of them."""
+
+    def __init__(self, margin_s: float = 0.5, clock: Callable[[], float] = time.time) -> None:
+        self._margin_s, self._clock = margin_s, clock
+        self._lock = threading.Lock()
+        self._sent: dict[str, list[float]] = {}
+
+    def sent(self, worker: str) -> None:
+        with self._lock:
+            self._sent.setdefault(worker, []).append(self._clock())
+
+    def since_beats(self, fleet: Iterable[WorkerView]) -> dict[str, int]:
+        """Per worker: borrowed jobs sent after its last beat (less the margin)."""
+        counts = {}
+        with self._lock:
+            for view in fleet:
+                times = self._sent.get(view.name)
+                if not times:
+                    continue
+                kept = [t for t in times if t >= view.beat_ts - self._margin_s]
+                self._sent[view.name] = kept
+                counts[view.name] = len(kept)
+        return counts
+
+
 async def follow_fleet(client: Any, namespace: str, on_change: Callable[[], None]) -> None:
     """Calls `on_change` whenever a worker announces a change on the fleet channel
     (keys.fleet_channel), and after each (re)subscribe for what was missed meanwhile; runs

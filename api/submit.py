@@ -33,6 +33,7 @@ from celery import Celery
 
 from api import limits, openai_tools
 from api.errors import ApiError, bad_request, malformed, unavailable
+from api.fleet import LentSlots
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
@@ -43,7 +44,7 @@ from tasks.app import push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import capabilities as cap
 from tidegate import hot, keys, ratelimit, tracing
-from tidegate.lanes import Lane, pool_queue, redis_priority
+from tidegate.lanes import Lane, lenders_of, pool_queue, redis_priority
 from tidegate.settings import Settings
 
 if TYPE_CHECKING:  # api.auth reads the HTTP request: only its Tenant record is used here
@@ -64,6 +65,7 @@ class SubmitDeps(Protocol):
     backlogs: limits.Backlogs
     rate_limits: ratelimit.RateLimits  # per-minute limits, on Redis
     month_usage: limits.MonthUsage  # tokens this month, per tenant (the usage ledger)
+    lent: LentSlots  # borrowed jobs sent to lenders since their beats (scheduler/router.py)
 
     def fleet(self) -> list[router.WorkerView]: ...
 
@@ -222,16 +224,24 @@ def bound(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> None:
 def route(deps: SubmitDeps, checked: Checked, backlog: dict[str, int]) -> router.Route:
     lane, req = checked.lane, checked.req
     affinity = checked.session if deps.settings.session_affinity else None
+    fleet = deps.fleet()
+    lanes = deps.settings.lanes
+    lenders = lenders_of(lane, lanes)
+    for lender in lenders:  # whether a lender's own jobs wait (then it has no idle slot)
+        backlog = {**backlog, **lane_backlog(deps, lender)}
     try:
-        return router.route(lane, deps.fleet(), backlog,
-                            lambda name: keys.direct_queue(deps.settings.namespace, name),
-                            lora=req.lora,
-                            session_worker=affinity.last_worker if affinity else None,
-                            needs=needs(req))
+        decision = router.route(
+            lane, fleet, backlog, lambda name: keys.direct_queue(deps.settings.namespace, name),
+            lora=req.lora, session_worker=affinity.last_worker if affinity else None,
+            needs=needs(req), lanes=lanes if lenders else None,
+            lent=deps.lent.since_beats(fleet) if lenders else None)
     except router.NoRoute as exc:
         if exc.field is not None:
             raise bad_request(exc.field, str(exc)) from None
         raise unavailable(str(exc)) from None
+    if decision.borrowed and decision.worker is not None:
+        deps.lent.sent(decision.worker)
+    return decision
 
 
 def charge(deps: SubmitDeps, checked: Checked) -> dict[str, str]:

@@ -15,12 +15,16 @@ TTFT P99 for the same (finance) requests.
   then ROUNDS measured rounds, pooled. Timed on the client (see bench/stack.py).
 
     .venv/bin/python bench/lanes.py
+    .venv/bin/python bench/lanes.py --lend   # finance lends idle slots (lanes-lend.*)
+    .venv/bin/python bench/lanes.py --shared # one finance engine of 16 slots lends to chat,
+                                             # which has no worker (lanes-shared.*)
 
 Writes bench/results/lanes.{md,png,json}; the last stdout line is the JSON summary.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from pathlib import Path
@@ -65,6 +69,9 @@ PACE_S = 0.5  # launch window of one round
 ROUNDS = 5  # 40 finance requests a system: a p99 that is not just the one slowest
 ORDER_SEED = 20261202  # the request order; sampling itself is unseeded (SEED_NOTE)
 CLAIM_MAX_RATIO = 0.3
+# Issue 30's second bar, in the same run: lanes that lend idle slots (work-conserving)
+# deliver at least this share of the FCFS peer's tokens/s over all lanes.
+CLAIM_MIN_TOKENS_RATIO = 0.8
 WORKERS = {lane: f"{lane}-lanes@tidegate" for lane in LANES}
 LANES_FILE = ROOT / "tidegate" / "lanes.toml"  # the shipped lanes, as bench/stack.py runs
 
@@ -154,8 +161,42 @@ def chat_kv() -> str:
             else "FP16 KV cache: this CPU has no AVX-512/AMX for vLLM's FP8 one")
 
 
-def setup(m: Measured) -> dict[str, Any]:
+LEND_NOTE = (
+    "`--lend`: finance lends its idle slots to chat and batch (`lend_to`, work-conserving "
+    "lanes). A chat job submitted while the finance worker's last beat shows a slot idle is "
+    "sent to it, and the finance worker pulls chat's waiting jobs onto slots that go idle; "
+    "either way at the engine's lowest priority, so a finance arrival takes the slot back at "
+    "once (the borrowed job resumes later). Both engines still share core 0: lent slots add "
+    "concurrency, not compute.")
+
+
+def lending_lanes_file(tmp: Path) -> Path:
+    """The shipped lanes file with finance lending its idle slots to chat and batch."""
+    text = LANES_FILE.read_text().replace(
+        "[lanes.finance]\n", '[lanes.finance]\nlend_to = ["chat", "batch"]\n', 1)
+    path = tmp / "lanes-lend.toml"
+    path.write_text(text)
+    load_lanes(path)  # the variant must be a valid lanes file
+    return path
+
+
+SHARED_NOTE = (
+    "`--shared`: one `finance` worker of 16 slots (the peer's count) lends every slot to "
+    "chat and batch, and chat has no worker of its own: the router sends a chat job to an "
+    "idle slot or to chat's queue, which the finance worker pulls from as slots free; a "
+    "finance job preempts a chat one at once. One engine, as the peer: where engines share "
+    "cores (here core 0), this is how lanes spend no compute on a second engine's steps. "
+    "Chat then runs on finance's FP16 KV cache (at least its precision).")
+
+
+def setup(m: Measured, lend: bool = False, shared: bool = False) -> dict[str, Any]:
     lanes = load_lanes(LANES_FILE)
+    if shared:
+        return {**setup(m, lend=True), "tidegate": f"1 `finance` worker ({DTYPE}, FP16 KV "
+                f"cache, cpu_nice {lanes['finance'].cpu_nice}) of {PEER_SEQS} engine slots, "
+                "lending them to chat and batch (no chat worker), API, private redis-server, "
+                "a private database on the machine's PostgreSQL",
+                "finance lends idle slots to chat and batch (--lend)": "yes, all (--shared)"}
     return {"tidegate": f"1 `finance` worker ({DTYPE}, FP16 KV cache, cpu_nice "
                         f"{lanes['finance'].cpu_nice}) + 1 `chat` worker ({DTYPE}, {chat_kv()}, "
                         f"cpu_nice {lanes['chat'].cpu_nice}), {SLOTS_PER_WORKER} engine slots "
@@ -171,6 +212,7 @@ def setup(m: Measured) -> dict[str, Any]:
                       f"{ORDER_SEED}, one finance request at a random place in each block of "
                       f"{IN_FLIGHT // FINANCE}",
             "warm-up": "1 round of the same mix, not measured", "measured rounds": ROUNDS,
+            "finance lends idle slots to chat and batch (--lend)": "yes" if lend else "no",
             **shared_setup(m),
             "tokens per request": ", ".join(f"{lane} {n}" for lane, n in TOKENS.items())}
 
@@ -212,19 +254,22 @@ NOTES = [
 ]
 
 
-def verdict(finance_ratio: float) -> str:
-    holds = finance_ratio <= CLAIM_MAX_RATIO
+def verdict(out: dict[str, Any]) -> str:
+    finance, tokens = out["finance_ttft_p99_ratio"], out["all_tokens_per_s_ratio"]
     return (f"Claim (finance TTFT p99 on tidegate <= {CLAIM_MAX_RATIO}x the peer's for the same "
-            f"requests): {'HOLDS' if holds else 'DOES NOT HOLD'}, ratio {fmt(finance_ratio, 2)}.")
+            f"requests, and tokens/s over all lanes >= {CLAIM_MIN_TOKENS_RATIO}x the peer's, "
+            f"in the same run): {'HOLDS' if out['claim_holds'] else 'DOES NOT HOLD'}, ratios "
+            f"{fmt(finance, 2)} and {fmt(tokens, 2)}.")
 
 
 def figures(tide: dict[str, Any], peer: dict[str, Any], setup_: dict[str, Any],
             wall_s: float) -> dict[str, Any]:
     ratios = {f"{lane}_{key.removesuffix('_ms')}_ratio": ratio(tide[lane][key], peer[lane][key])
               for lane in (*LANES, "all") for _, key, _ in METRICS}
-    finance = ratios["finance_ttft_p99_ratio"]
+    finance, tokens = ratios["finance_ttft_p99_ratio"], ratios["all_tokens_per_s_ratio"]
     return {"benchmark": "lanes", "finance_ttft_p99_ratio": finance,
-            "claim_max_ratio": CLAIM_MAX_RATIO, "claim_holds": finance <= CLAIM_MAX_RATIO,
+            "claim_max_ratio": CLAIM_MAX_RATIO, "claim_min_tokens_ratio": CLAIM_MIN_TOKENS_RATIO,
+            "claim_holds": finance <= CLAIM_MAX_RATIO and tokens >= CLAIM_MIN_TOKENS_RATIO,
             **ratios, "tidegate": tide, "vllm_server": peer, "setup": setup_,
             "wall_s": round(wall_s, 1)}
 
@@ -236,15 +281,17 @@ STYLES: dict[str, dict[str, Any]] = {
     "vLLM chat": {"color": "tab:orange", "linestyle": "--", "alpha": 0.7}}
 
 
-def report(m: Measured) -> dict[str, Any]:
+def report(m: Measured, name: str = "lanes", lend: bool = False,
+           shared: bool = False) -> dict[str, Any]:
     tide, peer = per_lane(m.tide, True), per_lane(m.peer, False)
-    setup_ = setup(m)
-    out = figures(tide, peer, setup_, m.wall_s)
-    notes = [verdict(out["finance_ttft_p99_ratio"]), *NOTES, *shared_notes(m),
+    setup_ = setup(m, lend, shared)
+    out = figures(tide, peer, setup_, m.wall_s) | {"lend": lend or shared, "shared": shared}
+    mode = [SHARED_NOTE] if shared else [LEND_NOTE] if lend else []
+    notes = [verdict(out), *mode, *NOTES, *shared_notes(m),
              *(phases_note(tide[lane], f"tidegate {lane}") for lane in LANES)]
     series = {f"{who} {lane}": ttfts(rounds, lane) for lane in LANES
               for who, rounds in (("tidegate", m.tide), ("vLLM", m.peer))}
-    publish("lanes", "Lanes under 4x overload: tidegate vs vLLM's OpenAI server (FCFS)",
+    publish(name, "Lanes under 4x overload: tidegate vs vLLM's OpenAI server (FCFS)",
             table(tide, peer), setup_, notes, series,
             f"TTFT, {FINANCE} finance + {CHAT} chat in flight for {PEER_SEQS} slots, {ROUNDS} "
             f"rounds pooled ({setup_['machine cores']} cores)", out,
@@ -255,13 +302,29 @@ def report(m: Measured) -> dict[str, Any]:
 # ---------------------------------------------------------------- main
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Lanes under overload, tidegate vs vLLM FCFS.")
+    parser.add_argument("--lend", action="store_true",
+                        help="finance lends its idle slots to chat and batch (lend_to); "
+                             "writes lanes-lend.*")
+    parser.add_argument("--shared", action="store_true",
+                        help="one finance worker of all the slots lends them to chat, which "
+                             "has none; writes lanes-shared.*")
+    args = parser.parse_args(argv)
+    name = "lanes-shared" if args.shared else "lanes-lend" if args.lend else "lanes"
+    workers = {"finance": WORKERS["finance"]} if args.shared else WORKERS
+    slots = PEER_SEQS if args.shared else SLOTS_PER_WORKER
+
+    def tidegate(tmp: Path) -> tuple[list[Round], dict[str, str]]:
+        lending = args.lend or args.shared
+        env = {"TIDEGATE_LANES_FILE": str(lending_lanes_file(tmp))} if lending else None
+        return measure_tidegate(tmp, workers, slots, load("tidegate"), postgresql=True, env=env,
+                                lanes=LANES)
+
     return run_benchmark(
-        "lanes",
-        lambda tmp: measure_tidegate(tmp, WORKERS, SLOTS_PER_WORKER, load("tidegate"),
-                                     postgresql=True),
+        name, tidegate,
         lambda tmp: measure_peer(tmp, PEER_SEQS, IN_FLIGHT * 2, load("vLLM server")),
-        report)
+        lambda m: report(m, name, args.lend, args.shared))
 
 
 if __name__ == "__main__":

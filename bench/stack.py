@@ -240,12 +240,14 @@ def bench_database(tmp: Path, postgresql: bool) -> Iterator[str]:
 @contextmanager
 def tidegate_stack(tmp: Path, workers: Mapping[str, str] | Sequence[tuple[str, str]],
                    slots: int, env: Mapping[str, str] | None = None, pin: bool = False,
-                   postgresql: bool = False) -> Iterator[tuple[str, str, list[Proc]]]:
+                   postgresql: bool = False, lanes: Sequence[str] = (),
+                   ) -> Iterator[tuple[str, str, list[Proc]]]:
     """Private Redis and database, the workers (lane -> worker name, or (lane, name) pairs
     for several workers of a lane) with `slots` engine slots each, the API; all stopped on
     the way out. `env`: settings on top of the benchmark's own (TIDEGATE_*). `pin`: each
     worker's engine on a core of its own, round robin (left alone, all bind to core 0).
-    `postgresql`: the store on PostgreSQL (bench_database), else a SQLite file."""
+    `postgresql`: the store on PostgreSQL (bench_database), else a SQLite file. The tenant
+    may use the workers' lanes and `lanes` (lanes served by other lanes' workers)."""
     from store import Store, upgrade
 
     pairs = list(workers.items()) if isinstance(workers, Mapping) else list(workers)
@@ -254,7 +256,8 @@ def tidegate_stack(tmp: Path, workers: Mapping[str, str] | Sequence[tuple[str, s
              for i, (lane, name) in enumerate(pairs)]
     with bench_database(tmp, postgresql) as db_url:
         upgrade(db_url)
-        _, key = Store(db_url).create_tenant("bench", sorted({lane for lane, _ in pairs}))
+        _, key = Store(db_url).create_tenant(
+            "bench", sorted({lane for lane, _ in pairs} | set(lanes)))
         full_env = {**tidegate_env(db_url, slots), **(env or {})}
         with running_stack(full_env, specs, tmp / "logs", private_redis=True,
                            timeout_s=START_TIMEOUT_S) as stack:
@@ -276,13 +279,15 @@ def tidegate_session(base: str, key: str) -> Session:
 def measure_tidegate(tmp: Path, workers: Mapping[str, str], slots: int, load: LoadFn,
                      postgresql: bool = False,
                      session: Callable[[str, str], Session] | None = None,
+                     env: Mapping[str, str] | None = None, lanes: Sequence[str] = (),
                      ) -> tuple[list[Round], dict[str, str]]:
     """The load on a tidegate stack; `session` (base URL, API key -> a Session): how the
-    requests go in (default: the SDK, POST /v1/jobs and SSE)."""
+    requests go in (default: the SDK, POST /v1/jobs and SSE); `env`: settings on top."""
     store = "PostgreSQL" if postgresql else "SQLite"
     log(f"tidegate: starting Redis, {store}, workers {dict(workers)} ({slots} slots each), API")
     start = time.monotonic()
-    with tidegate_stack(tmp, workers, slots, postgresql=postgresql) as (base, key, procs):
+    with tidegate_stack(tmp, workers, slots, env=env, postgresql=postgresql,
+                        lanes=lanes) as (base, key, procs):
         log(f"tidegate: ready in {time.monotonic() - start:.0f} s")
         info = {"load_before": load_average()}
         rounds = asyncio.run(watched(load((session or tidegate_session)(base, key)), info))

@@ -103,9 +103,11 @@ def report(m: Measured) -> dict[str, Any]:
     out["priority_over_default_ttft_p99"] = (tide["finance"]["ttft_p99_ms"]
                                             / tide["chat"]["ttft_p99_ms"])
     verdict = (f"Claim (service_tier=priority TTFT p99 on tidegate <= {lanes.CLAIM_MAX_RATIO}x "
-               f"the peer's for the same requests): "
-               f"{'HOLDS' if out['claim_holds'] else 'DOES NOT HOLD'}, ratio "
-               f"{fmt(out['finance_ttft_p99_ratio'], 2)}; priority over default on tidegate "
+               f"the peer's for the same requests, and tokens/s over all tiers >= "
+               f"{lanes.CLAIM_MIN_TOKENS_RATIO}x the peer's, in the same run): "
+               f"{'HOLDS' if out['claim_holds'] else 'DOES NOT HOLD'}, ratios "
+               f"{fmt(out['finance_ttft_p99_ratio'], 2)} and "
+               f"{fmt(out['all_tokens_per_s_ratio'], 2)}; priority over default on tidegate "
                f"{fmt(out['priority_over_default_ttft_p99'], 2)}.")
     series = {f"{who} {lane}": ttfts(rounds, lane) for lane in lanes.LANES
               for who, rounds in (("tidegate", m.tide), ("vLLM", m.peer))}

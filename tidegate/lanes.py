@@ -229,6 +229,25 @@ class Lane(BaseModel):
         description="OpenAI-compatible routes: unknown request fields are a 400 naming the field "
         "instead of being ignored (with the x-tidegate-ignored-fields header and a log line).")
 
+    # Work-conserving lanes (scheduler/router.py): a worker of this lane lends its idle
+    # slots to these lanes' jobs while their own workers have none free. A borrowed job
+    # runs at the engine's lowest priority, so this lane's own arrivals preempt it at once.
+    lend_to: list[str] = Field(
+        default_factory=list,
+        description="Lanes whose jobs may run on this lane's idle worker slots while their own "
+        "workers have none free (work-conserving); a borrowed job runs at the engine's lowest "
+        "priority, so this lane's arrivals preempt it at once. Empty: none.")
+    lend_max_share: float = Field(
+        1.0, gt=0.0, le=1.0,
+        description="The share of a worker's slots lent to other lanes at most.")
+    # A lane whose jobs would run at a lower precision on the lender (an FP8 KV cache or
+    # FP8 weights where its own are 16-bit) borrows only with its own consent.
+    borrow_lower_precision: bool = Field(
+        False,
+        description="This lane's jobs may borrow slots of a lane that runs at a lower precision "
+        "(FP8 KV cache or weights where this lane's are 16-bit); false: only slots at least as "
+        "precise as its own.")
+
     def cache_salt(self, tenant_id: int) -> str | None:
         """The prefix-cache salt of a tenant's requests on this lane (None: shared)."""
         return None if self.share_prefix_cache else f"tenant-{tenant_id}"
@@ -243,6 +262,35 @@ def redis_priority(public: int) -> int:
     if not PRIORITY_MIN <= public <= PRIORITY_MAX:
         raise ValueError(f"priority {public} is outside {PRIORITY_MIN}-{PRIORITY_MAX}")
     return PRIORITY_MAX - public
+
+
+_DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16, "auto": 16}
+
+
+def _precision(lane: Lane) -> tuple[int, int]:
+    """(weights bits, KV cache bits) the lane's engines run at."""
+    weights = 8 if lane.quantization == "fp8" else _DTYPE_BITS[lane.dtype]
+    kv = 8 if lane.kv_cache_dtype.startswith("fp8") else _DTYPE_BITS[lane.dtype]
+    return weights, kv
+
+
+def may_borrow(guest: Lane, host: Lane) -> bool:
+    """May a `guest` job run on a slot a `host` worker lends? The host must lend to it,
+    and run at least the guest's precision unless the guest consents to less."""
+    if guest.name not in host.lend_to:
+        return False
+    (hw, hk), (gw, gk) = _precision(host), _precision(guest)
+    return (hw >= gw and hk >= gk) or guest.borrow_lower_precision
+
+
+def lendable_slots(lane: Lane, slots: int) -> int:
+    """Slots a worker of `lane` with `slots` engine slots lends at most."""
+    return int(slots * lane.lend_max_share) if lane.lend_to else 0
+
+
+def lenders_of(guest: Lane, lanes: dict[str, Lane]) -> list[Lane]:
+    """The lanes whose workers may lend a slot to a `guest` job."""
+    return [lane for lane in lanes.values() if may_borrow(guest, lane)]
 
 
 def pool_queue(lane: Lane, pool: str) -> str:
@@ -275,7 +323,18 @@ def load_lanes(path: Path | str | None = None) -> dict[str, Lane]:
             raise LanesConfigError(f"lanes file {path}: lane {name!r}: {_first(exc)}") from exc
     for lane in lanes.values():
         _check_host(path, lane, lanes)
+        _check_lending(path, lane, lanes)
     return lanes
+
+
+def _check_lending(path: Path, lane: Lane, lanes: dict[str, Lane]) -> None:
+    where = f"lanes file {path}: lane {lane.name!r}: field 'lend_to'"
+    if lane.lend_to and lane.runs_on is not None:
+        raise LanesConfigError(f"{where}: a lane that runs on {lane.runs_on!r}'s workers has "
+                               "none of its own to lend")
+    for name in lane.lend_to:
+        if name not in lanes or name == lane.name:
+            raise LanesConfigError(f"{where}: {name!r} is not another lane of this file")
 
 
 def _check_host(path: Path, lane: Lane, lanes: dict[str, Lane]) -> None:

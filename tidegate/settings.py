@@ -363,7 +363,7 @@ class Settings(BaseSettings):
     engine_slots: int = Field(
         64, gt=0,
         description="Sequences one engine runs at once, and the worker's Celery thread "
-        "concurrency.")
+        "concurrency (plus the slots it may lend, for a lane with lend_to).")
     max_model_len: int = Field(
         2048, gt=0,
         description="The engine's context length in tokens (vLLM's max_model_len, TensorRT-LLM's "

@@ -50,3 +50,12 @@ def register_wakeup() -> None:
     from workers.vllm_patches.wakeup import register
 
     register()
+
+
+def register_priority() -> None:
+    """vLLM plugin: a more urgent request takes a slot from a less urgent one
+    (workers/vllm_patches/priority.py)."""
+    use_server_packages()
+    from workers.vllm_patches.priority import register
+
+    register()

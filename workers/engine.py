@@ -68,6 +68,14 @@ class EngineRequest:
     guided: dict[str, Any] | None = None
     # `auto` tool calls (capability tools): {"parser": a vLLM tool parser's name, "tools"}.
     tool_parse: dict[str, Any] | None = None
+    # Engine priority, vLLM's convention: a lower value runs first. OWN for the jobs of the
+    # worker's own lanes, BORROWED for another lane's job on a lent slot: while every slot
+    # is taken, a waiting request of a lower value preempts the running one of the highest
+    # (which later continues from where it was, no token lost or repeated).
+    priority: int = 0
+
+
+OWN, BORROWED = 0, 1  # EngineRequest.priority
 
 
 # One output token's log-probability, as the events carry it (JSON):

@@ -18,9 +18,11 @@ and leaseless for the recovery sweep, which hands it to another worker (workers/
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -33,7 +35,7 @@ from tidegate import keys, logs, ratelimit, tracing
 from tidegate.events import Event
 from tidegate.records import JobStatus
 from workers import streamer
-from workers.engine import Delta, EngineDead, EngineError, EngineRequest
+from workers.engine import BORROWED, OWN, Delta, EngineDead, EngineError, EngineRequest
 from workers.faults import TokenHold
 from workers.host import Cancelled, DeadlineExceeded, EngineHost
 from workers.lease import Lease, LeaseLost
@@ -67,7 +69,22 @@ class WorkerContext:
     streamer: Streamer | None = None
     mean_job_ms: float | None = None  # moving average of a job's run time, for the router
     leases: set[Lease] = field(default_factory=set)  # held now; the heartbeat renews them
+    borrowed: int = 0  # other lanes' jobs running on slots this worker lent
     _leases_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def borrowing(self, borrowed: bool) -> Iterator[None]:
+        """Counts the borrowed jobs running here, for the heartbeat (the router's cap)."""
+        if not borrowed:
+            yield
+            return
+        with self._leases_lock:
+            self.borrowed += 1
+        try:
+            yield
+        finally:
+            with self._leases_lock:
+                self.borrowed -= 1
 
     def record_job_ms(self, ms: float) -> None:
         old = self.mean_job_ms
@@ -261,13 +278,15 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
               "died after its first tokens; a job with several choices cannot resume",
               progress)
         return "error"
-    request = _engine_request(payload, remaining, state)
+    borrowed = payload.lane not in ctx.lanes  # on a slot another lane lent (scheduler/router.py)
+    request = _engine_request(payload, remaining, state, BORROWED if borrowed else OWN)
     if ctx.metrics is not None:
         ctx.metrics.prefilled(payload.lane, payload.prompt_tokens)
     started = time.monotonic()
     try:
         with tracing.span("engine.generate", {"engine": ctx.host.engine.kind,
-                                              "resumed_tokens": len(state.token_ids)}) as span:
+                                              "resumed_tokens": len(state.token_ids)}) as span, \
+                ctx.borrowing(borrowed):
             if _batched(ctx):
                 finish_reason = _stream_batched(ctx, payload.job_id, progress, request,
                                                 timeout_s)
@@ -282,7 +301,8 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
     except EngineError as exc:
         _fail(ctx, payload.job_id, "engine_rejected", str(exc), progress)
         return "error"
-    ctx.record_job_ms((time.monotonic() - started) * 1000)
+    if not borrowed:  # the router's estimate of this worker's own lanes' service time
+        ctx.record_job_ms((time.monotonic() - started) * 1000)
     return _end_done(ctx, payload, progress, finish_reason)
 
 
@@ -370,7 +390,8 @@ class _CancelWatch:
             raise Cancelled(self.job_id)
 
 
-def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState) -> EngineRequest:
+def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState,
+                    priority: int = OWN) -> EngineRequest:
     s = payload.sampling
     return EngineRequest(
         request_id=payload.job_id, prompt=payload.prompt, max_tokens=remaining,
@@ -381,6 +402,7 @@ def _engine_request(payload: GeneratePayload, remaining: int, state: StreamState
         resume_token_ids=state.token_ids, session_id=payload.session_key, turn=payload.turn,
         lane=payload.lane, lora=payload.lora, shared_prefix_tokens=payload.shared_prefix_tokens,
         cache_salt=payload.cache_salt, guided=payload.guided, tool_parse=payload.tool_parse,
+        priority=priority,
     )
 
 

@@ -18,7 +18,7 @@ from celery import Celery
 from tasks.app import run_celery
 from tasks.payloads import GENERATE
 from tidegate import keys, logs
-from tidegate.lanes import pool_queue
+from tidegate.lanes import lendable_slots, pool_queue
 from tidegate.niceness import lower_cpu_priority
 from tidegate.settings import Settings, get_settings
 from workers import celery_hooks
@@ -105,8 +105,14 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
     queues = [keys.direct_queue(settings.namespace, name)]
     if not standby:  # a standby worker: engine loaded and warmed, its direct queue only
         queues.insert(0, pool_queue(settings.lanes[lane], pool))
+    # A lending lane's worker holds a thread for each slot it may lend beyond its own: a
+    # task thread runs a job from its message to its end, and its own lane's arrival must
+    # find a thread free to reach the engine and take its slot back from a borrowed job.
+    # (Its own jobs beyond its slots then wait in its engine, in arrival order, not in
+    # Redis: at most the lendable count of them.)
+    threads = settings.engine_slots + lendable_slots(settings.lanes[lane], settings.engine_slots)
     run_celery(celery_app, [
-        "worker", "-P", "threads", "-c", str(settings.engine_slots),
+        "worker", "-P", "threads", "-c", str(threads),
         "--prefetch-multiplier", "1", "-Q", ",".join(queues), "-n", name,
         "--loglevel", loglevel, "--without-gossip", "--without-mingle",
         f"--tidegate-lane={lane}", f"--tidegate-pool={pool}", f"--tidegate-engine={engine}",

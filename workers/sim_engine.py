@@ -14,6 +14,12 @@ What is modelled (the timing figures are profiles in workers/sim_profiles.toml):
 * KV blocks: a request reserves blocks for its whole length (prompt and max tokens) when
   it is admitted, TensorRT-LLM's GUARANTEED_NO_EVICT policy: it waits rather than being
   preempted later (vLLM allocates as it decodes and preempts instead).
+* Priority (`EngineRequest.priority`, lower first), as tidegate's vLLM runs it: waiting
+  requests are admitted by priority, then arrival; while every slot is taken, a waiting
+  request more urgent than the least urgent running one preempts it
+  (workers/vllm_patches/priority.py). The preempted request frees its blocks and waits;
+  readmitted, it prefills its prompt and the tokens it already made (its own blocks, kept
+  in the prefix cache, mostly hit) and goes on with the next token.
 * Prefix cache: full blocks are named by a hash chained from the first block, which
   carries the cache salt (and LoRA), as in vLLM: requests of different salts share no
   block. Freed blocks wait in the KV plugin's own queue (workers/kvcache/freequeue.py)
@@ -28,7 +34,7 @@ What is modelled (the timing figures are profiles in workers/sim_profiles.toml):
 Stop strings end a request as in vLLM (matched in the output text, left out of it).
 
 Not modelled: end-of-sequence (every request runs to its max tokens unless a stop string
-ends it, like the test checkpoint), preemption, LoRA or sampling costs, CUDA graph
+ends it, like the test checkpoint), preemption for KV blocks, LoRA or sampling costs, CUDA graph
 padding. Not there at all (`capabilities`): n > 1, logprobs, penalties, logit_bias, top_k,
 min_p, structured output, tools.
 """
@@ -36,13 +42,13 @@ min_p, structured output, tools.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import logging
 import math
 import sys
 import time
 import tomllib
-from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -219,6 +225,9 @@ class _Seq:
     sampler: _Sampler
     retention: Retention  # of its blocks once freed
     root: int  # the hash chain's start: the cache salt and LoRA
+    order: int  # arrival order, the tie-break of equal priorities
+    prompt_len: int  # what the deltas report: the prompt and resumed tokens
+    moved: int = 0  # output tokens moved into prompt_ids by preemptions (recomputed)
     out: asyncio.Queue[Delta | BaseException] = field(default_factory=asyncio.Queue)
     output_ids: list[int] = field(default_factory=list)
     blocks: list[_Block] = field(default_factory=list)
@@ -270,7 +279,7 @@ class _Seq:
 
     def delta(self, token_ids: tuple[int, ...], text: str, reason: str | None) -> Delta:
         return Delta(text=text, token_ids=token_ids, finished=reason is not None,
-                     finish_reason=reason, prompt_tokens=len(self.prompt_ids),
+                     finish_reason=reason, prompt_tokens=self.prompt_len,
                      cached_tokens=self.cached_tokens)
 
 
@@ -296,7 +305,7 @@ class KvCache:
         """Reserve the request's blocks, its cached prefix first; False: not enough free."""
         self._hash_upto(seq, len(seq.prompt_ids) // self.block_size)
         hits = self._match(seq.hashes[:(len(seq.prompt_ids) - 1) // self.block_size])
-        need = self.blocks_for(len(seq.prompt_ids) + seq.max_new) - len(hits)
+        need = self.blocks_for(len(seq.prompt_ids) + seq.max_new - seq.moved) - len(hits)
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)  # leave the queue when touched
         if need > self.queue.num_free_blocks - free_hits:
             return False
@@ -315,7 +324,9 @@ class KvCache:
             block.ref_cnt = 1
         seq.blocks = hits + new
         seq.registered = len(hits)
-        seq.cached_tokens = seq.computed = len(hits) * self.block_size
+        seq.computed = len(hits) * self.block_size
+        if not seq.moved:  # a readmitted request's own blocks are no cache hit to report
+            seq.cached_tokens = seq.computed
         return True
 
     def register(self, seq: _Seq) -> None:
@@ -374,6 +385,11 @@ class KvCache:
 # --- the engine --------------------------------------------------------------------
 
 
+def _rank(seq: _Seq) -> tuple[int, int]:
+    """The scheduler's order: priority (lower first), then arrival."""
+    return seq.request.priority, seq.order
+
+
 class SimEngine:
     kind = "sim"
     # Stop strings (matched in its text, as vLLM does) and LoRA adapters by name. It has no
@@ -396,14 +412,16 @@ class SimEngine:
         self._vocab = vocab  # loaded by start() unless given (tests share one)
         self._sleep, self._clock = sleep, clock  # a fake pair makes the timing testable
         self._kv = KvCache(self._capacity_blocks(), config.kv_block_size or DEFAULT_BLOCK_SIZE)
-        self._waiting: deque[_Seq] = deque()
+        self._waiting: list[_Seq] = []  # by priority, then arrival (_rank)
+        self._arrivals = 0
         self._running: dict[_Seq, None] = {}  # in admission order
         self._live: dict[str, _Seq] = {}  # request id -> its newest sequence
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._failure: BaseException | None = None
         self._step_end = 0.0  # the modelled end of the last step, on `clock`
-        self._counts = {"max_running_seen": 0, "queries": 0, "hits": 0, "aborted": 0}
+        self._counts = {"max_running_seen": 0, "queries": 0, "hits": 0, "aborted": 0,
+                        "preempted": 0}
         self._finished: dict[str, int] = {}
         self._alloc_ms: float | None = None
 
@@ -430,7 +448,7 @@ class SimEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         seq = self._new_seq(request)
-        self._waiting.append(seq)
+        bisect.insort(self._waiting, seq, key=_rank)
         self._live[request.request_id] = seq
         self._work.set()
         try:
@@ -465,9 +483,11 @@ class SimEngine:
         if blocks > len(self._kv.blocks):
             raise EngineError(f"the request needs {blocks} KV blocks; the cache holds "
                               f"{len(self._kv.blocks)}")
+        self._arrivals += 1
         return _Seq(request=request, prompt_ids=prompt_ids, max_new=max_new,
                     sampler=_Sampler.of(request), retention=self._retention(request),
-                    root=hash(("root", request.cache_salt, lora)))
+                    root=hash(("root", request.cache_salt, lora)), order=self._arrivals,
+                    prompt_len=len(prompt_ids))
 
     def _retention(self, request: EngineRequest) -> Retention:
         if self.config.kv_policy != "session":
@@ -525,6 +545,7 @@ class SimEngine:
     def _admit(self) -> None:
         """Waiting requests in order while a slot and their blocks are free (the first
         that does not fit stops the rest, as in vLLM)."""
+        self._make_room()
         if not self._waiting or len(self._running) >= self.config.slots:
             return
         started = time.perf_counter()
@@ -532,13 +553,35 @@ class SimEngine:
             seq = self._waiting[0]
             if not self._kv.allocate(seq):
                 break
-            self._waiting.popleft()
+            self._waiting.pop(0)
             self._running[seq] = None
-            self._counts["queries"] += len(seq.prompt_ids)
-            self._counts["hits"] += seq.cached_tokens
+            if not seq.moved:  # a readmission is no new query of the prefix cache
+                self._counts["queries"] += len(seq.prompt_ids)
+                self._counts["hits"] += seq.cached_tokens
         self._note_alloc_ms((time.perf_counter() - started) * 1000)
         counts = self._counts
         counts["max_running_seen"] = max(counts["max_running_seen"], len(self._running))
+
+    def _make_room(self) -> None:
+        """While every slot is taken, the least urgent running request gives its slot to a
+        more urgent waiting one (never to an equal one)."""
+        while self._waiting and len(self._running) >= self.config.slots:
+            victim = max(self._running, key=_rank)
+            if self._waiting[0].request.priority >= victim.request.priority:
+                return
+            self._preempt(victim)
+
+    def _preempt(self, seq: _Seq) -> None:
+        """Back to waiting with its blocks freed; what it generated becomes prompt to
+        recompute, so its next token follows its last one."""
+        del self._running[seq]
+        self._kv.free(seq)
+        seq.prompt_ids = seq.prompt_ids + seq.output_ids
+        seq.moved += len(seq.output_ids)
+        seq.output_ids = []
+        seq.computed = 0
+        bisect.insort(self._waiting, seq, key=_rank)
+        self._counts["preempted"] += 1
 
     def _note_alloc_ms(self, ms: float) -> None:
         """The recent mean, as the vLLM plugin reports it (workers/kvcache/stats.py)."""
@@ -580,10 +623,11 @@ class SimEngine:
 
     def _emit(self, seq: _Seq) -> None:
         assert self._vocab is not None
-        position = len(seq.request.resume_token_ids) + len(seq.output_ids)
+        position = len(seq.request.resume_token_ids) + seq.moved + len(seq.output_ids)
         token = seq.sampler.token(self._vocab, position)
         seq.output_ids.append(token)
-        text, reason = seq.cut(self._vocab.text[token], len(seq.output_ids) >= seq.max_new)
+        made = seq.moved + len(seq.output_ids)
+        text, reason = seq.cut(self._vocab.text[token], made >= seq.max_new)
         seq.out.put_nowait(seq.delta((token,), text, reason))
         if reason is not None:
             self._end(seq, reason)

@@ -141,6 +141,10 @@ class VllmEngine:
             kv_cache_dtype=self.kv_cache_dtype,  # type: ignore[arg-type]
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.slots,
+            # Waiting requests by EngineRequest.priority (borrowed jobs last), and a more
+            # urgent one preempts for a slot (workers/vllm_patches/priority.py); with one
+            # priority throughout, this is first come, first served as before.
+            scheduling_policy="priority",
             enable_prefix_caching=cfg.enable_prefix_caching,
             num_gpu_blocks_override=cfg.kv_cache_blocks,
             block_size=cfg.kv_block_size,
@@ -161,7 +165,7 @@ class VllmEngine:
     def _plugin_env(self) -> None:
         """What tidegate's vLLM patches read in the engine's processes, which vLLM starts
         with this process's environment (workers/vllm_patches/)."""
-        from workers.vllm_patches import PatchRefused, check_version, kvcache, wakeup
+        from workers.vllm_patches import PatchRefused, check_version, kvcache, priority, wakeup
 
         check_kv_policy(self.config.kv_policy)
         if self.config.kv_policy == "session":
@@ -178,6 +182,7 @@ class VllmEngine:
         os.environ[kvcache.POLICY_ENV] = self.config.kv_policy
         os.environ[kvcache.STATS_ENV] = path
         os.environ[wakeup.RECHECK_ENV] = str(wakeup.RECHECK_MS)
+        os.environ[priority.SLOT_PREEMPT_ENV] = "1"
 
     def _lora_args(self) -> dict[str, Any]:
         """Engine arguments for the configured LoRA adapters; ids are stable, from 1."""
@@ -224,7 +229,8 @@ class VllmEngine:
             calls = _ToolStream(request.tool_parse, self._llm.get_tokenizer()) \
                 if request.tool_parse else None
             async for out in self._llm.generate(
-                self._prompt(request), params, request.request_id, lora_request=lora
+                self._prompt(request), params, request.request_id, lora_request=lora,
+                priority=request.priority,
             ):
                 delta = _delta(out, request)
                 if calls is not None:

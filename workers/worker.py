@@ -41,6 +41,7 @@ from tidegate.settings import Settings
 from workers.engine import Engine, EngineDead
 from workers.faults import StoreFault, TokenHold
 from workers.host import EngineHost
+from workers.lending import Lender
 from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
 from workers.retry import Retrier
@@ -88,6 +89,7 @@ class Worker:
         self._outcomes: dict[str, int] = {}
         self._never = threading.Event()  # what a task left to others waits on: forever
         self._left: set[str] = set()  # ids of the jobs left to other workers
+        self.lender: Lender | None = None  # a lending lane's: pulls other lanes' jobs
 
     # -- engine ----------------------------------------------------------------------
 
@@ -113,6 +115,9 @@ class Worker:
         streamer.start()
         gcfreeze.after_start()
         CancelListener(self.redis, s.namespace, host).start()
+        if s.lanes[self.lane].lend_to:  # work-conserving: take waiting jobs of other lanes
+            self.lender = Lender(self)
+            self.lender.start()
 
     @property
     def host(self) -> EngineHost:
@@ -155,6 +160,8 @@ class Worker:
         outcome = "error"
         with self._lock:
             self._in_flight += 1
+        if self.lender is not None:  # counted in flight: no longer a coming borrowed job
+            self.lender.started(job_id)
         try:
             outcome = run_job(ctx, body)
         finally:
@@ -282,6 +289,7 @@ class Worker:
             boot=self.boot, host=socket.gethostname(), ts=time.time(),
             engine=self.ctx.host.engine.kind if self.ctx else "", stats=stats,
             mean_job_ms=self.ctx.mean_job_ms if self.ctx else None,
+            borrowed=self.ctx.borrowed if self.ctx else 0,
             metrics_port=self.metrics_port,
             capabilities=tuple(sorted(self.ctx.host.engine.capabilities)) if self.ctx else ())
 

@@ -225,6 +225,49 @@ def test_slots_cap_the_batch_and_the_rest_wait(vocab: Vocab) -> None:
     run(body, vocab, slots=2)
 
 
+def test_a_more_urgent_request_takes_a_slot_and_the_preempted_one_goes_on(
+        vocab: Vocab) -> None:
+    """A borrowed request (priority 1) holds the only slot; an own one (0) arrives: it is
+    admitted at the next step, and the borrowed one ends later with every token, the same
+    tokens it would have made alone, and the prompt it was sent."""
+    async def body(engine: SimEngine, clock: FakeClock) -> None:
+        alone = tokens(await collect(engine, request(max_tokens=12, request_id="borrowed",
+                                                     priority=1)))
+        first: list[float] = []
+
+        async def own() -> list[Delta]:
+            deltas = []
+            async for d in engine.generate(request("Revenue?", max_tokens=3, priority=0)):
+                first.append(clock.now) if not deltas else None
+                deltas.append(d)
+            return deltas
+
+        steps = len(clock.sleeps)
+        borrowed = [asyncio.create_task(collect(engine, request(
+            max_tokens=12, request_id="borrowed", priority=1)))]
+        while len(clock.sleeps) < steps + 4:  # the borrowed one prefilled and is decoding
+            await asyncio.sleep(0)
+        started = clock.now
+        mine = await own()
+        theirs = await borrowed[0]
+        assert len(tokens(mine)) == 3 and first[0] - started < 0.01  # no wait for 12 tokens
+        assert tokens(theirs) == alone and theirs[-1].finish_reason == "length"
+        assert {d.prompt_tokens for d in theirs} == {len(vocab.encode("Where is my order?"))}
+        assert engine._counts["preempted"] == 1
+
+    run(body, vocab, slots=1)
+
+
+def test_equal_priorities_never_preempt(vocab: Vocab) -> None:
+    async def body(engine: SimEngine, clock: FakeClock) -> None:
+        done = await asyncio.gather(*(collect(engine, request(f"Order {i}?", max_tokens=6,
+                                                              priority=1)) for i in range(3)))
+        assert [len(tokens(d)) for d in done] == [6, 6, 6]
+        assert engine._counts["preempted"] == 0
+
+    run(body, vocab, slots=1)
+
+
 def test_requests_wait_for_kv_blocks(vocab: Vocab) -> None:
     async def body(engine: SimEngine, clock: FakeClock) -> None:
         # Each needs 2 blocks (a short prompt and 20 tokens); the cache holds 5.
