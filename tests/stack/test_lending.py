@@ -88,8 +88,23 @@ def lanes(stack: Stack, tmp_root: object) -> Iterator[tuple[str, dict[str, Proc]
                    240, "both lending workers to be active", list(procs.values()), poll_s=0.5)
         yield key, procs
     finally:
-        for proc in procs.values():
-            proc.stop()
+        try:
+            _end_all(stack, key)  # before the workers go: later modules wait for no job
+        finally:
+            for proc in procs.values():
+                proc.stop()
+
+
+def _unended(client: Client) -> list[str]:
+    return [job.id for job in client.jobs() if job.status in ("queued", "running")]
+
+
+def _end_all(stack: Stack, key: str) -> None:
+    """Cancels what a failed test left running or queued here, and waits for the ends."""
+    with Client(stack.base_url, key) as client:
+        for job_id in _unended(client):
+            client.cancel(job_id)
+        wait_until(lambda: not _unended(client), 60, "this module's jobs to end")
 
 
 def beat(stack: Stack, name: str) -> dict:
@@ -163,17 +178,20 @@ def test_a_job_queued_while_the_lender_was_busy_is_pulled_once_it_is_idle(
         stack: Stack, lanes: tuple[str, dict[str, Proc]]) -> None:
     key, _ = lanes
     with Client(stack.base_url, key) as client:
-        busy = client.submit("lender", prompt="Close the quarter's books.", max_tokens=LONG)
-        own = client.submit("borrower", prompt="Where is my parcel?", max_tokens=LONG)
+        # Both long enough to outlast a loaded machine's beats; both ended by the test.
+        busy = client.submit("lender", prompt="Close the quarter's books.", max_tokens=2 * LONG)
+        own = client.submit("borrower", prompt="Where is my parcel?", max_tokens=2 * LONG)
         for name in WORKERS.values():
             settled(stack, name, 1)
         queued = client.submit("borrower", prompt="And my refund?", max_tokens=16)
         assert queued["queue"] == "borrower.vllm"  # no slot idle anywhere: its own queue
         client.cancel(busy["job_id"])  # the lender's slot goes idle now, the borrower's not
         assert list(client.stream(queued["job_id"]))[-1].kind == "done"
-        list(client.stream(own["job_id"]))
-    row = stack.store.get_job(queued["job_id"])
+        client.cancel(own["job_id"])
+    row, theirs = stack.store.get_job(queued["job_id"]), stack.store.get_job(own["job_id"])
     # The lender took it from the borrower's queue once its own slot went idle: the
-    # borrower's worker, busy, never got it.
+    # borrower's worker, busy, never got it, and it started before the borrower's job ended.
     assert row is not None and row.status.value == "done" and row.completion_tokens == 16
     assert row.worker == WORKERS["lender"]
+    assert theirs is not None and theirs.finished_at is not None and row.started_at is not None
+    assert row.started_at < theirs.finished_at
