@@ -1,8 +1,8 @@
 """Work-conserving lanes on real workers: the `lender` lane's worker lends its idle slot to
 the `borrower` lane's jobs while the borrower's own worker is full, and takes it back for
-its own lane's arrival at once (vLLM preempts the borrowed job, which then goes on). Both
-halves: the router's (a job submitted while the lender is idle goes to it) and the
-lender's (a job that was queued while the lender was busy is pulled once it is idle).
+its own lane's arrival at once (vLLM preempts the borrowed job, which then goes on). The
+router's half runs end to end; the lending worker's pull (a job queued while the lender
+was busy, taken once a slot is idle) runs on a real Redis with the worker's counts given.
 
 Two vLLM workers of one slot each (tests/lanes.toml: `lender` lends to `borrower`).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import redis
@@ -20,8 +21,10 @@ from tidegate_client import Client
 from api.fleet import FLEET_CACHE_S
 from tests.helpers import Stack, make_tenant
 from tidegate import keys
+from tidegate.lanes import load_lanes
+from tidegate.records import WorkerState
 from tidegate_tools.procs import Proc, start_worker, wait_until
-from workers.lending import MOVE, move_keys
+from workers.lending import MOVE, Lender, move_keys
 from workers.vllm_patches.kvcache import ALLOC_DELAY_ENV
 
 WORKERS = {"lender": "lender-test@tidegate", "borrower": "borrower-test@tidegate"}
@@ -174,24 +177,37 @@ def test_a_full_lane_borrows_an_idle_slot_and_the_owner_takes_it_back(
         assert row.completion_tokens == LONG
 
 
-def test_a_job_queued_while_the_lender_was_busy_is_pulled_once_it_is_idle(
-        stack: Stack, lanes: tuple[str, dict[str, Proc]]) -> None:
-    key, _ = lanes
-    with Client(stack.base_url, key) as client:
-        # Both long enough to outlast a loaded machine's beats; both ended by the test.
-        busy = client.submit("lender", prompt="Close the quarter's books.", max_tokens=2 * LONG)
-        own = client.submit("borrower", prompt="Where is my parcel?", max_tokens=2 * LONG)
-        for name in WORKERS.values():
-            settled(stack, name, 1)
-        queued = client.submit("borrower", prompt="And my refund?", max_tokens=16)
-        assert queued["queue"] == "borrower.vllm"  # no slot idle anywhere: its own queue
-        client.cancel(busy["job_id"])  # the lender's slot goes idle now, the borrower's not
-        assert list(client.stream(queued["job_id"]))[-1].kind == "done"
-        client.cancel(own["job_id"])
-    row, theirs = stack.store.get_job(queued["job_id"]), stack.store.get_job(own["job_id"])
-    # The lender took it from the borrower's queue once its own slot went idle: the
-    # borrower's worker, busy, never got it, and it started before the borrower's job ended.
-    assert row is not None and row.status.value == "done" and row.completion_tokens == 16
-    assert row.worker == WORKERS["lender"]
-    assert theirs is not None and theirs.finished_at is not None and row.started_at is not None
-    assert row.started_at < theirs.finished_at
+def test_a_lender_takes_waiting_jobs_for_its_idle_slots_only_after_a_look(
+        redis_server: str) -> None:
+    """The lending worker's loop (workers/lending.py `Lender.tick`) on a real Redis, with
+    the worker's counts given: nothing while its slots are taken; a waiting job only at the
+    look after the one that saw it (the borrower's own idle workers take theirs first); no
+    more than its idle slots, counting jobs moved whose task has not started."""
+    client = redis.Redis.from_url(redis_server)
+    state = {"in_flight": 0}
+    lanes = load_lanes(os.environ["TIDEGATE_LANES_FILE"])
+    worker = SimpleNamespace(
+        settings=SimpleNamespace(engine_slots=2, lanes=lanes), lane="lender",
+        pool="lendtest", pool_queue="lender.lendtest", direct_queue="lendtest.direct.lender",
+        redis=client, ctx=SimpleNamespace(borrowed=0), stopped=False,
+        state=lambda: WorkerState.ACTIVE, counts=lambda: (state["in_flight"], {}))
+    lists = [sub for q in ("lender.lendtest", "borrower.lendtest", worker.direct_queue)
+             for sub in keys.queue_sublists(q)]
+    client.delete(*lists)
+    lender = Lender(worker)  # type: ignore[arg-type]
+    waiting = keys.queue_sublists("borrower.lendtest")[5]  # a pool no real worker has
+    direct = keys.queue_sublists(worker.direct_queue)[5]
+    try:
+        for i in range(3):
+            client.lpush(waiting, json.dumps({"headers": {"id": f"job-{i}"}}))
+        state["in_flight"] = 2
+        assert lender.tick() == 0 and client.llen(waiting) == 3  # both slots taken
+        state["in_flight"] = 0
+        assert lender.tick() == 0  # a look: seen waiting, left for the borrower's workers
+        assert lender.tick() == 2 and client.llen(direct) == 2  # one per idle slot
+        client.delete(direct)  # its consumer took them; their tasks have not started
+        assert lender.tick() == 0 and client.llen(waiting) == 1
+        lender.started("job-0")  # a slot's worth came free: a look, then the move
+        assert lender.tick() == 0 and lender.tick() == 1 and client.llen(waiting) == 0
+    finally:
+        client.delete(*lists)
