@@ -81,7 +81,13 @@ def make_room(scheduler: Any) -> int:
 
     if (scheduler.policy != SchedulingPolicy.PRIORITY or not scheduler.waiting
             or len(scheduler.running) < scheduler.max_num_running_reqs):
-        return 0  # the common case: no sort of the waiting queue
+        return 0  # a slot is free, or nobody waits
+    # Every slot taken is the steady state of a loaded engine: compare the heap's head
+    # (the most urgent waiting request) first, and sort the waiting queue only when one
+    # will preempt, not at every step.
+    least = max(r.priority for r in scheduler.running)
+    if scheduler.waiting.peek_request().priority >= least:
+        return 0
     preempted = 0
     now = time.monotonic()
     for request in sorted(scheduler.waiting):  # most urgent first (Request.__lt__)
