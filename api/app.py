@@ -27,6 +27,7 @@ import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisClusterException
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.types import Scope
@@ -88,6 +89,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         deps.admission.close()
         await deps.stream_hub.close()
         await deps.redis.aclose()
+        if deps.stream_redis is not deps.redis:
+            await deps.stream_redis.aclose()
 
     app = FastAPI(title="tidegate", version="0.1.0", lifespan=lifespan)
     app.state.deps = deps
@@ -100,6 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        max_held=settings.auth_failure_holds)
     app.add_exception_handler(ApiError, handle_api_error)
     app.add_exception_handler(syncredis.RedisError, handle_unreachable)
+    # A Redis Cluster with no master for a slot (TIDEGATE_STREAMS_URL, mid-failover):
+    # redis-py's cluster errors are not all RedisErrors.
+    app.add_exception_handler(RedisClusterException, handle_unreachable)
     app.add_exception_handler(OperationalError, handle_unreachable)
     app.add_exception_handler(PoolTimeout, handle_unreachable)  # every pooled connection busy
     _routes(app, deps)
@@ -175,7 +181,8 @@ def _body_refusal(deps: Deps) -> Callable[[Scope, int], JSONResponse]:
 async def handle_unreachable(request: Request, exc: Exception) -> JSONResponse:
     """Redis or the database not answering is what the system lacks right now, not a bug:
     a 503 with a retry hint (the invariant: never a 500)."""
-    what = "Redis" if isinstance(exc, syncredis.RedisError) else "the database"
+    what = "Redis" if isinstance(exc, syncredis.RedisError | RedisClusterException) \
+        else "the database"
     log.error("%s %s: %s unreachable (%s)", request.method, request.url.path, what,
               type(exc).__name__)
     return await handle_api_error(request, unavailable(f"{what} is unavailable; retry later"))
@@ -344,7 +351,7 @@ async def _sse(deps: Deps, job: Any, after: int) -> AsyncIterator[bytes]:
             end = await reader.verdict()
             if end is None:
                 yield b": keep-alive\n\n"
-    except aioredis.RedisError as exc:
+    except (aioredis.RedisError, RedisClusterException) as exc:
         log.warning("SSE of job %s: Redis failed (%s)", job.id, type(exc).__name__,
                     extra={"job_id": job.id})
         end = ("unavailable", f"Redis is unavailable: reconnect with Last-Event-ID {reader.seq} "
@@ -381,7 +388,7 @@ class _EventReader:
             # From the start, a job not ended: neither its stream's end (ahead of any
             # Last-Event-ID) nor its row can end it, so the stream's last entry is not read.
             return None
-        last: Any = await self.deps.redis.xrevrange(self.key, count=1)
+        last: Any = await self.deps.stream_redis.xrevrange(self.key, count=1)
         if last and _kind_of(last[0][1]) in TERMINAL_KINDS:
             end_seq = keys.seq_of(last[0][0])
             if end_seq > self.seq:
@@ -439,6 +446,12 @@ async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
         checks["redis"] = {"ok": True}
     except aioredis.RedisError as exc:
         checks["redis"] = {"ok": False, "error": type(exc).__name__}
+    if deps.stream_redis is not deps.redis:  # the token streams live apart (TIDEGATE_STREAMS_URL)
+        try:
+            await deps.stream_redis.ping()
+            checks["streams"] = {"ok": True}
+        except aioredis.RedisError as exc:
+            checks["streams"] = {"ok": False, "error": type(exc).__name__}
     try:
         await asyncio.to_thread(deps.store.count_jobs)
         checks["database"] = {"ok": True}

@@ -28,7 +28,7 @@ from api.openai_api import error_body
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from api.server import SERVER_SEND
-from api.streamhub import StreamHub
+from api.streamhub import stream_hub
 from api.submit import highest_priority
 from api.submit import submit as submit_job
 from scheduler.router import WorkerView
@@ -82,10 +82,22 @@ class Deps:
             settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
             pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10,
             socket_connect_timeout=settings.redis_connect_timeout_s)
-        self.stream_hub = StreamHub(self.redis, settings.namespace)  # SSE reads, one XREAD
         # Handler and admission threads: no blocking reads, so each reply gets the plain
         # socket timeout, and a blackholed Redis is a 503 within it (api/app.py).
         self.sync_redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
+        # Jobs' streams and cancel keys (TIDEGATE_STREAMS_URL): the same clients unless
+        # they live apart, maybe on a cluster.
+        self.stream_redis: Any = self.redis
+        self.sync_stream_redis: Any = self.sync_redis
+        if settings.streams_url:
+            self.stream_redis = redisconn.async_streams_client(
+                settings.streams_url,
+                max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
+                pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10,
+                socket_connect_timeout=settings.redis_connect_timeout_s)
+            self.sync_stream_redis = redisconn.sync_streams_client(settings.streams_url,
+                                                              **settings.redis_timeouts)
+        self.stream_hub = stream_hub(self.stream_redis, settings.namespace)  # SSE reads, XREADs
         self.celery: Celery = make_app(settings)
         # The tokenizer's files only: an API pod holds no weights (TIDEGATE_TOKENIZER).
         self.prompts = PromptRenderer(settings.tokenizer_path)
@@ -207,10 +219,9 @@ def cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
     if job.status != JobStatus.CANCELLED:
         return job  # it had ended otherwise: nothing to cancel
     deps.in_flight.forget(tenant_id)  # its place is free now, not at the next count
-    client = deps.sync_redis
     ns = deps.settings.namespace
-    client.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
-    client.publish(keys.cancel_channel(ns), job_id)
+    deps.sync_stream_redis.set(keys.job_cancel(ns, job_id), "1", ex=deps.settings.stream_ttl_s)
+    deps.sync_redis.publish(keys.cancel_channel(ns), job_id)
     if job.started_at is None:  # no worker will ever run it: end its stream here
         end_unstarted(deps, job_id)
     return job
@@ -222,7 +233,7 @@ def end_unstarted(deps: Deps, job_id: str) -> None:
     harmless (as in workers/publisher.py) and lets one repair a first whose write failed."""
     key = keys.job_events(deps.settings.namespace, job_id)
     done = Event(job_id=job_id, seq=0, kind="done", data={"finish_reason": "cancelled"})
-    pipe = deps.sync_redis.pipeline(transaction=True)
+    pipe = deps.sync_stream_redis.pipeline(transaction=True)
     pipe.xadd(key, done.stream_fields(), id=keys.stream_id(0))  # type: ignore[arg-type]
     pipe.expire(key, deps.settings.stream_ttl_s)
     added, _ = pipe.execute(raise_on_error=False)

@@ -20,13 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from redis import asyncio as aioredis
+from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
+
+from tidegate import keys, redisconn
 
 BLOCK_MS = 1000  # one XREAD's longest block; waiters time out on their own before
+# A cluster node that fails: how long its tag's hub retries on the layout it reads again
+# (a failover takes the cluster's node timeout and a second or two), and how often.
+FAILOVER_S = 20.0
+FAILOVER_POLL_S = 0.2
+NODE_FAILURES = (aioredis.ConnectionError, aioredis.TimeoutError, MovedError, AskError,
+                 ClusterDownError, TryAgainError)
 WAKE_TTL_S = 60  # the wake stream outlives no API process by long
 
 
@@ -76,11 +86,11 @@ def _time_out(future: asyncio.Future[list[Any]]) -> None:
 
 class StreamHub:
     def __init__(self, redis: Any, namespace: str, count: int = 256,
-                 block_ms: int = BLOCK_MS) -> None:
+                 block_ms: int = BLOCK_MS, wake_key: str = "") -> None:
         self._redis = redis
         self._count = count
         self._block_ms = block_ms
-        self._wake_key = f"{namespace}:streamhub:{uuid.uuid4().hex}:wake"
+        self._wake_key = wake_key or f"{namespace}:streamhub:{uuid.uuid4().hex}:wake"
         self._wake_cursor: str | bytes = "0-0"
         self._head = b"".join(_arg(a) for a in ("XREAD", "COUNT", str(count), "BLOCK",
                                                  str(block_ms), "STREAMS"))
@@ -129,30 +139,42 @@ class StreamHub:
         pipe.expire(self._wake_key, WAKE_TTL_S)
         await pipe.execute()
 
+    async def _acquire(self) -> Any:
+        return await self._redis.connection_pool.get_connection()
+
+    async def _release(self, conn: Any) -> None:
+        await self._redis.connection_pool.release(conn)
+
     async def _run(self) -> None:
         # One pooled connection for as long as streams wait: the XREAD holds one nearly
         # all the time anyway, and taking it from the pool each cycle was work for nothing.
-        pool = self._redis.connection_pool
         try:
-            conn = await pool.get_connection()
-            try:
-                while self._waiters:
-                    reply = await self._xread(conn)
-                    for raw_key, entries in _streams(reply):
-                        key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
-                        if key == self._wake_key:
-                            self._wake_cursor = entries[-1][0]
-                        else:
-                            self._hand_out(key, entries)
-                    # The waiters served write their frames and come back now, so that the
-                    # next XREAD has them without a wake.
-                    await asyncio.sleep(0)
-            finally:
-                await pool.release(conn)
+            await self._serve_on_a_connection()
         except aioredis.RedisError as exc:
             self._fail_all(exc)
         finally:
             self._task = None
+
+    async def _serve_on_a_connection(self) -> None:
+        conn = await self._acquire()
+        try:
+            await self._serve(conn)
+        finally:
+            await self._release(conn)
+
+    async def _serve(self, conn: Any) -> None:
+        """XREADs on `conn` while streams wait."""
+        while self._waiters:
+            reply = await self._xread(conn)
+            for raw_key, entries in _streams(reply):
+                key = raw_key.decode() if isinstance(raw_key, bytes) else raw_key
+                if key == self._wake_key:
+                    self._wake_cursor = entries[-1][0]
+                else:
+                    self._hand_out(key, entries)
+            # The waiters served write their frames and come back now, so that the
+            # next XREAD has them without a wake.
+            await asyncio.sleep(0)
 
     async def _xread(self, conn: Any) -> Any:
         command = self._command()
@@ -215,3 +237,97 @@ class StreamHub:
         if waiter.future.done() and not waiter.future.cancelled():
             waiter.future.exception()  # retrieved: no "never retrieved" warning
 
+
+
+class TaggedStreamHub:
+    """StreamHub on a Redis Cluster (TIDEGATE_STREAMS_URL): one XREAD per job tag, each on
+    the node serving that tag's slot. A cluster refuses a command whose keys span slots,
+    and a job's keys carry one of 24 tags (tidegate/keys.py), so the streams of a tag share
+    a slot: at 256 streams an XREAD still serves about ten of them."""
+
+    def __init__(self, cluster: Any, namespace: str, count: int = 256,
+                 block_ms: int = BLOCK_MS) -> None:
+        self._cluster, self._ns = cluster, namespace
+        self._count, self._block_ms = count, block_ms
+        self._id = uuid.uuid4().hex
+        self._hubs: dict[str, _NodeHub] = {}
+
+    def waiting(self) -> int:
+        return sum(hub.waiting() for hub in self._hubs.values())
+
+    async def read(self, key: str, cursor: str | bytes, wait_s: float) -> list[Any]:
+        """StreamHub.read, by the hub of the stream's tag."""
+        tag = keys.tag_of(key)
+        hub = self._hubs.get(tag)
+        if hub is None:
+            hub = self._hubs[tag] = _NodeHub(
+                self._cluster, self._ns, self._count, self._block_ms,
+                keys.streamhub_wake(self._ns, tag, self._id))
+        return await hub.read(key, cursor, wait_s)
+
+    async def close(self) -> None:
+        for hub in self._hubs.values():
+            await hub.close()
+
+
+class _NodeHub(StreamHub):
+    """The XREADs of one tag, on a connection of the node serving its slot now. When the
+    node fails (it died, or the slot moved) the hub reads the cluster's layout again and
+    goes on, on the replica a failover promoted, for up to FAILOVER_S: its waiters' own
+    timers answer [] meanwhile, and they come back, as a Sentinel client's retries do."""
+
+    _stale = False
+    _node: Any = None
+
+    _answered_at = 0.0  # the last XREAD's answer (a block's end included)
+
+    async def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            while self._waiters:
+                try:
+                    await self._serve_on_a_connection()
+                except NODE_FAILURES:
+                    if time.monotonic() - max(started, self._answered_at) > FAILOVER_S:
+                        raise
+                    self._stale = True
+                    await asyncio.sleep(FAILOVER_POLL_S)
+        except aioredis.RedisError as exc:
+            self._fail_all(exc)
+        finally:
+            self._task = None
+
+    async def _xread(self, conn: Any) -> Any:
+        reply = await super()._xread(conn)
+        self._answered_at = time.monotonic()
+        return reply
+
+    async def _wake(self) -> None:
+        # A wake that fails leaves the waiter to the next XREAD: the hub is then retrying.
+        with contextlib.suppress(aioredis.RedisError):
+            await super()._wake()
+
+    async def _acquire(self) -> Any:
+        cluster = self._redis
+        await cluster.initialize()
+        if self._stale:
+            await cluster.nodes_manager.initialize()  # the layout after a failover
+            self._stale = False
+        self._node = cluster.get_node_from_key(self._wake_key)
+        if self._node is None:
+            raise aioredis.ConnectionError(f"no node serves the slot of {self._wake_key}")
+        conn = self._node.acquire_connection()
+        await self._node.disconnect_if_needed(conn)
+        return conn
+
+    async def _release(self, conn: Any) -> None:
+        if not conn.is_connected:  # a failed node's: not kept for the next
+            await conn.disconnect()
+        self._node.release(conn)
+
+
+def stream_hub(redis: Any, namespace: str) -> StreamHub | TaggedStreamHub:
+    """The hub for the streams' Redis: one XREAD for all, or one per tag on a cluster."""
+    if redisconn.is_cluster_client(redis):
+        return TaggedStreamHub(redis, namespace)
+    return StreamHub(redis, namespace)

@@ -57,8 +57,8 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ if str(ROOT) not in sys.path:
 
 import aiohttp  # noqa: E402
 import psutil  # noqa: E402
+from redis.crc import key_slot  # noqa: E402
 
 from bench.common import (  # noqa: E402
     RESULTS,
@@ -91,7 +92,7 @@ from bench.stack import (  # noqa: E402
     tidegate_env,
 )
 from tidegate import keys  # noqa: E402
-from tidegate_tools.procs import Proc  # noqa: E402
+from tidegate_tools.procs import Proc, RedisClusterProcs, redis_cluster  # noqa: E402
 from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
 from workers.engine import EngineError  # noqa: E402
 from workers.sim_engine import load_profile  # noqa: E402
@@ -121,10 +122,18 @@ UNCAPPED = {"TIDEGATE_MAX_IN_FLIGHT_PER_TENANT": "1000000",
 HEADLINE_KEYS = ("worker_cpu_ms_per_job", "worker_cpu_us_per_token_beyond_job",
                  "worker_max_tokens_per_s", "engine_cpu_us_per_token")
 # The issue's bars (shown beside the figures, not asserted): key -> (bar, "min"/"max").
+# Issue 29's: the worker's, API's and Redis's per token and per job; its latency bars are
+# for the `paced` profile (64 and 256 streams).
 BARS = {"admit_jobs_per_s": (500.0, "min"), "api_cpu_ms_per_job": (1.0, "max"),
-        "api_cpu_us_per_token": (15.0, "max"),  # issue 29
-        "worker_cpu_us_per_token": (50.0, "max"), "queue_ttft_p50_ms": (10.0, "max"),
-        "queue_ttft_p99_ms": (50.0, "max"), "delivery_lag_p99_ms": (50.0, "max")}
+        "api_cpu_us_per_token": (15.0, "max"), "worker_cpu_ms_per_job": (1.2, "max"),
+        "worker_cpu_us_per_token": (30.0, "max"), "redis_cpu_us_per_token": (6.0, "max"),
+        "queue_ttft_p50_ms": (10.0, "max"), "queue_ttft_p99_ms": (50.0, "max"),
+        "delivery_lag_p99_ms": (20.0, "max")}
+SHARD_KEYS = ("streams_shards", "shard_token_share", "shard_token_spread",
+              "shard_cpu_us_per_token", "shard_cpu_us_per_fleet_token",
+              "broker_redis_cpu_us_per_token")
+# With --streams-cluster: per shard, and the spread of tokens over the shards.
+SHARD_BARS = {"shard_cpu_us_per_token": (6.0, "max"), "shard_token_spread": (0.2, "max")}
 
 
 @dataclass(frozen=True)
@@ -142,12 +151,16 @@ class Config:
     # none, jobs started in one engine step end in one step, and their clients submit again
     # together: the closed loop keeps them in lock-step bursts.
     spread: float = 0.0
+    # The token streams on a Redis Cluster of this many masters (TIDEGATE_STREAMS_URL),
+    # apart from the broker's redis-server; 0: on the broker's.
+    streams_cluster: int = 0
 
     @property
     def name(self) -> str:
         """The results' file name: other settings' figures never overwrite the bars'."""
         name = "frontdoor" if self.profile == PROFILE else f"frontdoor-{self.profile}"
-        return name + (f"-spread{round(self.spread * 100)}" if self.spread else "")
+        name += f"-spread{round(self.spread * 100)}" if self.spread else ""
+        return name + (f"-cluster{self.streams_cluster}" if self.streams_cluster else "")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -168,11 +181,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--spread", type=float, default=0.0,
                    help="streamed jobs' max_tokens drawn from max-tokens x (1 +/- spread), "
                         "0 <= spread < 1 (default 0: every job the same length)")
+    p.add_argument("--streams-cluster", type=int, default=0, metavar="N",
+                   help="the token streams on a Redis Cluster of N masters (at least 3), "
+                        "apart from the broker's Redis; the JSON then has each shard's share "
+                        "of the tokens and its CPU per token (default 0: one Redis)")
     p.add_argument("--sqlite", action="store_true",
                    help="the store in a SQLite file (default: a private PostgreSQL database)")
     a = p.parse_args(argv)
     if not 0 <= a.spread < 1:
         p.error(f"--spread {a.spread}: must be at least 0 and below 1")
+    if a.streams_cluster and a.streams_cluster < 3:
+        p.error(f"--streams-cluster {a.streams_cluster}: a Redis Cluster needs 3 masters")
     try:  # here, not minutes later in every worker's start
         load_profile(a.profile)
     except EngineError as exc:
@@ -183,7 +202,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                   workers=a.workers or (2 if quick else 4), slots=a.slots or (64 if quick else 512),
                   lane=a.lane, max_tokens=a.max_tokens, warm_s=2.0 if quick else 5.0,
                   window_s=a.window_s or (5.0 if quick else 15.0), postgresql=not a.sqlite,
-                  profile=a.profile, spread=a.spread)
+                  profile=a.profile, spread=a.spread, streams_cluster=a.streams_cluster)
 
 
 # ---------------------------------------------------------------- CPU from /proc
@@ -238,9 +257,10 @@ class CpuSample:
     api_s: float
     worker_s: float  # the Celery worker processes, all threads
     engine_s: float  # their engine threads
-    redis_s: float
+    redis_s: float  # the broker's redis-server and the streams' shards, if any
     client_s: float  # this process: the load client
     busy: tuple[float, float]
+    shards_s: tuple[float, ...] = ()  # each streams shard (master), CpuMeter.shard_ports
 
 
 @dataclass(frozen=True)
@@ -252,13 +272,15 @@ class CpuDelta:
     redis_s: float
     client_s: float
     machine_busy: float  # fraction of all cores
+    shards_s: tuple[float, ...] = ()
 
     @classmethod
     def between(cls, a: CpuSample, b: CpuSample) -> CpuDelta:
         busy = ratio(b.busy[0] - a.busy[0], b.busy[1] - a.busy[1])
         engine = b.engine_s - a.engine_s
         return cls(b.at - a.at, b.api_s - a.api_s, b.worker_s - a.worker_s - engine, engine,
-                   b.redis_s - a.redis_s, b.client_s - a.client_s, busy)
+                   b.redis_s - a.redis_s, b.client_s - a.client_s, busy,
+                   tuple(y - x for x, y in zip(a.shards_s, b.shards_s, strict=True)))
 
 
 class CpuMeter:
@@ -271,6 +293,12 @@ class CpuMeter:
 
         self.api = pids("api:")
         self.redis = pids("redis-server:")
+        # A streams cluster's nodes (tidegate_tools/procs.py names them redis-cluster:PORT),
+        # by port: no failover happens in the bench, so its masters stay its masters.
+        self.shard_ports = sorted(int(p.name.split(":")[1]) for p in procs
+                                  if p.name.startswith("redis-cluster:"))
+        self.shards = [pid for port in self.shard_ports
+                       for pid in pids(f"redis-cluster:{port}")]
         self.workers = [c.pid for sup in pids("worker:")
                         for c in psutil.Process(sup).children(recursive=True)]
         if not self.workers:
@@ -282,8 +310,9 @@ class CpuMeter:
             at=time.time(), api_s=sum(process_cpu_s(p) for p in self.api),
             worker_s=sum(process_cpu_s(p) for p in self.workers),
             engine_s=sum(threads_cpu_s(p, ENGINE_THREAD)[0] for p in self.workers),
-            redis_s=sum(process_cpu_s(p) for p in self.redis),
-            client_s=time.process_time(), busy=machine_busy())
+            redis_s=sum(process_cpu_s(p) for p in [*self.redis, *self.shards]),
+            client_s=time.process_time(), busy=machine_busy(),
+            shards_s=tuple(process_cpu_s(p) for p in self.shards))
 
 
 # ---------------------------------------------------------------- the client
@@ -575,7 +604,7 @@ def published_times(redis_url: str, job_ids: Sequence[str]) -> dict[str, dict[in
     """job id -> {seq: (kind, the worker's write time)}, read after the jobs ended."""
     from tidegate import redisconn
 
-    r = redisconn.sync_client(redis_url)
+    r = redisconn.sync_streams_client(redis_url)
     out: dict[str, dict[int, tuple[str, float]]] = {}
     for start in range(0, len(job_ids), 200):
         batch = job_ids[start:start + 200]
@@ -643,7 +672,7 @@ def beyond_job_us(f: Mapping[str, Any]) -> float:
 
 
 def stream_figures(s: StreamResult, published: Mapping[str, Mapping[int, tuple[str, float]]],
-                   ) -> dict[str, Any]:
+                   shard_of: Callable[[str], int] | None = None) -> dict[str, Any]:
     w = s.window
     cpu = w.cpu
     assert cpu is not None
@@ -692,6 +721,31 @@ def stream_figures(s: StreamResult, published: Mapping[str, Mapping[int, tuple[s
         "jobs_done": sum(1 for t in s.traces if t.done is not None and t.error is None),
         "stream_cancelled_at_end": s.unfinished, "lag_samples": len(lags),
         "error_examples": sorted({t.error for t in s.traces if t.error})[:3],
+        **(shard_figures(cpu, per_event, published, w, shard_of) if shard_of else {}),
+    }
+
+
+def shard_figures(cpu: CpuDelta, per_event: float,
+                  published: Mapping[str, Mapping[int, tuple[str, float]]], w: Window,
+                  shard_of: Callable[[str], int]) -> dict[str, Any]:
+    """With the streams on a cluster: each shard's share of the tokens written in the
+    window (by its jobs' hash tags), how far the most uneven is from an even share, and
+    each shard's CPU over its own tokens and over all of them."""
+    tokens = [0.0] * len(cpu.shards_s)
+    for job_id, events in published.items():
+        n = sum(1 for kind, at in events.values() if kind == "token" and w.holds(at))
+        tokens[shard_of(job_id)] += n * per_event
+    total = sum(tokens)
+    shares = [ratio(t, total) for t in tokens]
+    even = 1 / len(tokens) if tokens else math.nan
+    return {
+        "streams_shards": len(tokens),
+        "shard_token_share": shares,
+        "shard_token_spread": max((abs(x - even) / even for x in shares), default=math.nan),
+        "shard_cpu_us_per_token": [ratio(c * 1e6, t) for c, t in zip(cpu.shards_s, tokens,
+                                                                   strict=True)],
+        "shard_cpu_us_per_fleet_token": [ratio(c * 1e6, total) for c in cpu.shards_s],
+        "broker_redis_cpu_us_per_token": ratio((cpu.redis_s - sum(cpu.shards_s)) * 1e6, total),
     }
 
 
@@ -706,25 +760,46 @@ class Bench:
     procs: list[Proc]
     db_url: str
     tenant_id: int
+    streams_url: str = ""  # the streams' Redis when apart from the broker's
+    shard_of: Callable[[str], int] | None = None  # a job's streams shard (index), if a cluster
 
 
 @contextmanager
 def frontdoor_stack(tmp: Path, cfg: Config) -> Iterator[Bench]:
-    """Private Redis and database, `cfg.workers` sim workers, the API; all stopped on exit."""
+    """Private Redis and database, `cfg.workers` sim workers, the API, and with
+    `cfg.streams_cluster` a Redis Cluster for the streams; all stopped on exit."""
     from store import Store, upgrade
 
     specs = [WorkerSpec(cfg.lane, f"sim{i}@frontdoor", pool="vllm", engine="sim")
              for i in range(cfg.workers)]
-    with bench_database(tmp, cfg.postgresql) as db_url:
+    with bench_database(tmp, cfg.postgresql) as db_url, ExitStack() as cleanup:
         upgrade(db_url)
         store = Store(db_url)
         tenant, key = store.create_tenant("frontdoor", [cfg.lane])
         store.engine.dispose()
         env = {**tidegate_env(db_url, cfg.slots), **UNCAPPED, "TIDEGATE_SIM_PROFILE": cfg.profile}
+        cluster = None
+        if cfg.streams_cluster:
+            cluster = cleanup.enter_context(redis_cluster(tmp / "logs" / "streams-cluster",
+                                                          masters=cfg.streams_cluster))
+            env["TIDEGATE_STREAMS_URL"] = cluster.url
         with running_stack(env, specs, tmp / "logs", private_redis=True,
                            timeout_s=START_TIMEOUT_S) as stack:
             assert stack.redis_url is not None
-            yield Bench(stack.base_url, key, stack.redis_url, stack.procs, db_url, tenant.id)
+            bench = Bench(stack.base_url, key, stack.redis_url, stack.procs, db_url, tenant.id,
+                          streams_url=stack.redis_url)
+            if cluster is not None:
+                bench.procs = [*stack.procs, *cluster.procs.values()]
+                bench.streams_url, bench.shard_of = cluster.url, shard_index(cluster)
+            yield bench
+
+
+def shard_index(cluster: RedisClusterProcs) -> Callable[[str], int]:
+    """A job's shard: the index, in port order, of the master serving its keys' slot."""
+    ports = sorted(cluster.masters_now())
+    by_slot = {slot: ports.index(cluster.master_of_slot(slot))
+               for slot in {key_slot(f"{{{tag}}}".encode()) for tag in keys.JOB_TAGS}}
+    return lambda job_id: by_slot[key_slot(keys.job_events(NAMESPACE, job_id).encode())]
 
 
 def wait_idle(bench: Bench, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
@@ -766,14 +841,16 @@ def measure_level(bench: Bench, meter: CpuMeter, n: int, cfg: Config) -> dict[st
     load = load_average()
     alone, drained, admit, streams = asyncio.run(run_phases(bench, meter, n, cfg))
     left = wait_idle(bench)
-    done_t = published_times(bench.redis_url, admit.job_ids)
+    done_t = published_times(bench.streams_url, admit.job_ids)
     finished = [at for events in done_t.values() for kind, at in events.values()
                 if kind == "done"]
-    published = published_times(bench.redis_url, [t.job_id for t in streams.traces if t.job_id])
+    published = published_times(bench.streams_url,
+                                [t.job_id for t in streams.traces if t.job_id])
     timed = [t for t in streams.traces if streams.window.holds(t.submit_at)]
     read_worker_ttfts(bench.db_url, timed)
     figures = {"concurrency": n, "load_before": load, **alone_figures(alone, drained),
-               **admit_figures(admit, finished), **stream_figures(streams, published),
+               **admit_figures(admit, finished),
+               **stream_figures(streams, published, bench.shard_of),
                "left_in_flight": left}
     figures["worker_cpu_us_per_token_beyond_job"] = beyond_job_us(figures)
     figures["neighbours"] = "; ".join(sorted(set(neighbours_before) | set(busy_neighbours())))
@@ -824,17 +901,23 @@ ROWS: list[Row] = [
      ("jobs_done", "stream_cancelled_at_end"), 0)]
 
 
+SHARD_ROWS: list[tuple[str, str, int]] = [
+    ("each streams shard's share of the tokens", "shard_token_share", 3),
+    ("each shard's CPU per token it carried (us)", "shard_cpu_us_per_token", 1),
+    ("each shard's CPU per token of all (us)", "shard_cpu_us_per_fleet_token", 1)]
+
+
 def bar_text(key: str) -> str:
-    if key not in BARS:
+    if key not in BARS | SHARD_BARS:
         return ""
-    bar, kind = BARS[key]
+    bar, kind = (BARS | SHARD_BARS)[key]
     return f"{'>=' if kind == 'min' else '<='} {bar:g}"
 
 
 def meets(key: str, value: float) -> str:
-    if key not in BARS or not math.isfinite(value):
+    if key not in BARS | SHARD_BARS or not math.isfinite(value):
         return ""
-    bar, kind = BARS[key]
+    bar, kind = (BARS | SHARD_BARS)[key]
     return " (ok)" if (value >= bar if kind == "min" else value <= bar) else " (over)"
 
 
@@ -846,7 +929,15 @@ def level_table(f: Mapping[str, Any]) -> str:
             rows.append([label, fmt(value, digits) + meets(key, value), bar_text(key)])
         else:
             rows.append([label, " / ".join(fmt(float(f[k]), digits) for k in key), ""])
-    return markdown_table(["figure", "measured", "bar (issue 11)"], rows)
+    if "streams_shards" in f:  # the streams on a cluster (--streams-cluster)
+        for label, key, digits in SHARD_ROWS:
+            rows.append([label, " / ".join(fmt(float(v), digits) for v in f[key]),
+                         "" if key != "shard_cpu_us_per_token" else bar_text(key)])
+        spread = float(f["shard_token_spread"])
+        rows.append(["most uneven shard's share, off an even share",
+                     f"{fmt(spread * 100, 0)}%{meets('shard_token_spread', spread)}",
+                     "<= 20%"])
+    return markdown_table(["figure", "measured", "bar (issues 11, 29)"], rows)
 
 
 def plot(path: Path, by_level: Mapping[int, Mapping[str, Any]]) -> None:
@@ -906,8 +997,11 @@ def _lengths(cfg: Config) -> str:
 
 def setup_lines(cfg: Config, bench_wall_s: float) -> dict[str, Any]:
     host = machine()
+    streams = (f"a Redis Cluster of {cfg.streams_cluster} masters (TIDEGATE_STREAMS_URL)"
+               if cfg.streams_cluster else "the broker's redis-server")
     return {"path": "client -> one `tidegate api` -> private redis-server -> Celery sim "
                     "workers -> Redis stream -> SSE",
+            "token streams on": streams,
             "store": "private PostgreSQL database (127.0.0.1:5432)" if cfg.postgresql
                      else "private SQLite file (WAL)",
             "workers": f"{cfg.workers} x `tidegate worker --engine sim --pool vllm`, lane "
@@ -987,6 +1081,7 @@ def report(cfg: Config, by_level: dict[int, dict[str, Any]], wall_s: float) -> d
     out = {"benchmark": "frontdoor", "headline_concurrency": head["concurrency"],
            **{key: head[key] for key in BARS},
            **{key: head[key] for key in HEADLINE_KEYS},
+           **{key: head[key] for key in SHARD_KEYS if key in head},
            "bars": {k: list(v) for k, v in BARS.items()},
            "by_concurrency": {str(n): f for n, f in sorted(by_level.items())},
            "setup": setup, "wall_s": round(wall_s, 1)}

@@ -52,6 +52,7 @@ action is logged and recorded in the scheduler's actions (ids and queues, never 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -74,7 +75,7 @@ from tasks.recovery import (
     target_queue,
     task_id,
 )
-from tidegate import capabilities, keys
+from tidegate import capabilities, keys, redisconn
 from tidegate.events import Event, Kind
 from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue, redis_priority
@@ -95,11 +96,16 @@ class Pass:
     """One pass: its clients, the fleet it saw and the time it started."""
 
     app: Celery
-    client: Any  # redis.Redis: leases, streams, the suspects hash
+    client: Any  # redis.Redis: the suspects hash, the queues
     store: Store
     settings: Settings
+    streams: Any = None  # the token streams' Redis (leases, streams); None: `client`
     fleet: list[Heartbeat] = field(default_factory=list)
     now: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.streams is None:
+            self.streams = self.client
 
     @property
     def ns(self) -> str:
@@ -117,7 +123,8 @@ def reconcile(app: Celery, client: Any, store: Store, settings: Settings) -> dic
     if not lock.acquire():
         return {"acted": False, "reason": "another pass is running"}
     try:
-        run = Pass(app, client, store, settings, fleet=read_fleet(client, settings.namespace))
+        run = Pass(app, client, store, settings, fleet=read_fleet(client, settings.namespace),
+                   streams=streams_client(settings))
         return {"acted": True, "actions": _reconcile(run)}
     finally:
         lock.release()
@@ -152,7 +159,7 @@ def _orphaned(job: JobRecord, present: set[str] | None) -> bool:
 
 
 def _leased(run: Pass, job_ids: list[str]) -> set[str]:
-    pipe = run.client.pipeline(transaction=False)
+    pipe = run.streams.pipeline(transaction=False)
     for job_id in job_ids:
         pipe.exists(keys.job_lease(run.ns, job_id))
     return {job_id for job_id, n in zip(job_ids, pipe.execute(), strict=True) if n}
@@ -260,7 +267,7 @@ def _move_one(run: Pass, pipe: Any, sub: str) -> bool:
 def _act(run: Pass, job: JobRecord) -> dict[str, Any] | None:
     """Sends the job again or ends it, holding its lease; None when an attempt took the
     job meanwhile or it ended."""
-    lease = RedisLock(run.client, keys.job_lease(run.ns, job.id),
+    lease = RedisLock(run.streams, keys.job_lease(run.ns, job.id),
                       keys.lease_ttl_s(run.settings.heartbeat_s), token=new_token("reconciler"))
     if not lease.acquire():
         return None
@@ -349,7 +356,7 @@ def _end_cancelled(run: Pass, job: JobRecord) -> dict[str, Any]:
 
 def _stream_tokens(run: Pass, job_id: str) -> tuple[str, list[int]]:
     """The text and token ids the job's stream holds."""
-    entries: Any = run.client.xrange(keys.job_events(run.ns, job_id))
+    entries: Any = run.streams.xrange(keys.job_events(run.ns, job_id))
     tokens = [e for _, fields in entries if (e := Event.from_json(fields[b"e"])).kind == "token"]
     return "".join(e.text for e in tokens), [i for e in tokens for i in e.token_ids]
 
@@ -358,13 +365,33 @@ def _write_end(run: Pass, job_id: str, kind: Kind, data: dict[str, Any]) -> None
     """The terminal event after the stream's last (unless it has one), its pub/sub copy,
     and the stream's TTL. The pass holds the job's lease: no attempt appends meanwhile."""
     key = keys.job_events(run.ns, job_id)
-    last: Any = run.client.xrevrange(key, count=1)
+    last: Any = run.streams.xrevrange(key, count=1)
     tail = Event.from_json(last[0][1][b"e"]) if last else None
-    pipe = run.client.pipeline(transaction=True)
+    # A cluster's pipeline refuses PUBLISH (no key): it goes on its own after.
+    sharded = redisconn.is_cluster_client(run.streams)
+    pipe = run.streams.pipeline(transaction=not sharded)
+    event = None
     if tail is None or not tail.terminal:
         event = Event(job_id=job_id, seq=tail.seq + 1 if tail else 0, kind=kind, data=data)
         pipe.xadd(key, event.stream_fields(), id=keys.stream_id(event.seq),  # type: ignore[arg-type]
                   maxlen=run.settings.stream_maxlen, approximate=True)
-        pipe.publish(keys.job_live(run.ns, job_id), event.to_json())
+        if not sharded:
+            pipe.publish(keys.job_live(run.ns, job_id), event.to_json())
     pipe.expire(key, run.settings.stream_ttl_s)
     pipe.execute()
+    if sharded and event is not None:  # a shard channel, as the workers' (workers/publisher.py)
+        run.streams.spublish(keys.job_live(run.ns, job_id), event.to_json())
+
+
+@functools.cache
+def _streams_of(url: str, connect_s: float, socket_s: float) -> Any:
+    return redisconn.sync_streams_client(url, **redisconn.timeouts(connect_s, socket_s))
+
+
+def streams_client(settings: Settings) -> Any:
+    """The token streams' Redis when it is not the main one (TIDEGATE_STREAMS_URL), one
+    client per process; None otherwise."""
+    if not settings.streams_url:
+        return None
+    return _streams_of(settings.streams_url, settings.redis_connect_timeout_s,
+                       settings.redis_socket_timeout_s)

@@ -1,14 +1,18 @@
 """Every Redis key and channel tidegate uses, in one place.
 
 Schema (``{ns}`` is the deployment namespace, setting ``TIDEGATE_NAMESPACE``; pub/sub
-channels ignore the Redis DB number, so the prefix is what keeps two deployments apart):
+channels ignore the Redis DB number, so the prefix is what keeps two deployments apart).
+The ``job`` keys and the wake streams live on the streams' Redis (``TIDEGATE_STREAMS_URL``,
+by default the main one, maybe a cluster); ``{t}`` is the job's hash tag in braces
+(``job_tag``); everything else lives on the main Redis:
 
 | key / channel                  | type    | written by      | lifetime                          |
 |--------------------------------|---------|-----------------|-----------------------------------|
-| ``{ns}:job:{id}:events``       | stream  | worker          | ``stream_ttl_s`` after terminal   |
-| ``{ns}:job:{id}:live``         | channel | worker          | pub/sub, at most once             |
-| ``{ns}:job:{id}:lease``        | string  | worker          | ``lease_ttl_s``, renewed each beat|
-| ``{ns}:job:{id}:cancel``       | string  | API             | ``stream_ttl_s``                  |
+| ``{ns}:job:{t}:{id}:events``   | stream  | worker          | ``stream_ttl_s`` after terminal   |
+| ``{ns}:job:{t}:{id}:live``     | channel | worker          | pub/sub, at most once             |
+| ``{ns}:job:{t}:{id}:lease``    | string  | worker          | ``lease_ttl_s``, renewed each beat|
+| ``{ns}:job:{t}:{id}:cancel``   | string  | API             | ``stream_ttl_s``                  |
+| ``{ns}:streamhub:{t}:{h}:wake``| stream  | API             | ``streamhub.WAKE_TTL_S``          |
 | ``{ns}:cancel``                | channel | API             | pub/sub: job ids to abort         |
 | ``{ns}:worker:{name}``         | string  | worker          | heartbeat, ``heartbeat_ttl_s``    |
 | ``{ns}:fleet``                 | channel | worker          | pub/sub: a worker's name, when its|
@@ -55,6 +59,8 @@ Stream entry ids are ``{seq + 1}-0``: the event's sequence number is its id, so 
 """
 
 from __future__ import annotations
+
+import zlib
 
 HEARTBEAT_PERIODS = 5  # a heartbeat lives this many periods: a dead worker is gone after it
 RATE_WINDOW_TTL_S = 120  # a one-minute rate window, kept past its minute for late readers
@@ -118,20 +124,51 @@ def sublist_step(sublist: str) -> int:
     return int(step) if sep and step.isdigit() else 0
 
 
+# A job's keys carry one of these hash tags (Redis Cluster hashes only the part in braces),
+# so its stream, lease and cancel key sit on one shard, and the jobs of one tag share one
+# slot: the writer appends many jobs' events in one script call and the API reads many
+# streams in one XREAD per tag (workers/streamer.py, api/streamhub.py), which a cluster
+# refuses across slots. Each tag's slot is the centre of its twenty-fourth of the 16,384
+# slots, so a cluster whose masters split the slots evenly gets the same number of tags
+# each, for 2, 3, 4, 6, 8, 12 or 24 masters. Fewer tags, fewer calls per engine step (60
+# cost a third more Redis CPU per token on 3 masters: bench/README.md); more than 24
+# masters gain nothing. Never change them: running jobs' keys would move.
+JOB_TAGS = (
+    "t14995", "t3124", "t18333", "t3774", "t22874", "t5337", "t764", "t16833", "t48416",
+    "t13911", "t134", "t29406", "t15019", "t15284", "t1904", "t23365", "t8280", "t13097",
+    "t12450", "t18828", "t11761", "t40483", "t12200", "t6980",
+)
+
+
+def job_tag(job_id: str) -> str:
+    """The hash tag of a job's keys (JOB_TAGS), from its id: every process finds the same."""
+    return JOB_TAGS[zlib.crc32(job_id.encode()) % len(JOB_TAGS)]
+
+
 def job_events(ns: str, job_id: str) -> str:
-    return f"{ns}:job:{job_id}:events"
+    return f"{ns}:job:{{{job_tag(job_id)}}}:{job_id}:events"
 
 
 def job_live(ns: str, job_id: str) -> str:
-    return f"{ns}:job:{job_id}:live"
+    return f"{ns}:job:{{{job_tag(job_id)}}}:{job_id}:live"
 
 
 def job_lease(ns: str, job_id: str) -> str:
-    return f"{ns}:job:{job_id}:lease"
+    return f"{ns}:job:{{{job_tag(job_id)}}}:{job_id}:lease"
 
 
 def job_cancel(ns: str, job_id: str) -> str:
-    return f"{ns}:job:{job_id}:cancel"
+    return f"{ns}:job:{{{job_tag(job_id)}}}:{job_id}:cancel"
+
+
+def streamhub_wake(ns: str, tag: str, hub: str) -> str:
+    """An API process's wake stream for its XREAD of the streams of one tag (api/streamhub.py)."""
+    return f"{ns}:streamhub:{{{tag}}}:{hub}:wake"
+
+
+def tag_of(key: str) -> str:
+    """The hash tag in a job key (or a wake stream's)."""
+    return key.partition("{")[2].partition("}")[0]
 
 
 def cancel_channel(ns: str) -> str:

@@ -54,6 +54,8 @@ from urllib.parse import parse_qs, quote, unquote
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as aiocluster
+import redis.cluster
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
@@ -64,6 +66,10 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 PLAIN_SCHEMES = ("redis://", "rediss://", "unix://")
+# Token streams only (TIDEGATE_STREAMS_URL): a Redis Cluster, named by some of its nodes.
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+CLUSTER_FORM = "redis+cluster://[[user]:password@]host:port[,host:port...]"
+CLUSTER_PORT = 6379
 SENTINEL_SCHEME = "sentinel://"
 SENTINEL_PORT = 26379
 SENTINEL_FORM = "sentinel://[[user]:password@]host[:port][;host[:port]...][/db]?master=NAME"
@@ -151,15 +157,16 @@ def _hosts(hosts: str) -> tuple[tuple[str, int], ...]:
     return tuple(_host_port(item) for item in items if item)
 
 
-def _host_port(item: str) -> tuple[str, int]:
+def _host_port(item: str, default_port: int = SENTINEL_PORT,
+               what: str = "sentinel") -> tuple[str, int]:
     if item.startswith("["):  # an IPv6 address: [::1]:26379
         host, _, port = item[1:].partition("]")
         port = port.removeprefix(":")
     else:
         host, _, port = item.partition(":")
-    if not host or (port and not port.isdigit()) or not 0 < int(port or SENTINEL_PORT) < 65536:
-        raise ValueError(f"sentinel {item!r} is not host[:port]")
-    return host, int(port or SENTINEL_PORT)
+    if not host or (port and not port.isdigit()) or not 0 < int(port or default_port) < 65536:
+        raise ValueError(f"{what} {item!r} is not host[:port]")
+    return host, int(port or default_port)
 
 
 def _db(path: str) -> int:
@@ -293,3 +300,97 @@ def celery_broker(url: str, bounds: dict[str, float] | None = None
 
 def _netloc(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# -- token streams: TIDEGATE_STREAMS_URL ---------------------------------------------------
+# A job's stream, lease and cancel key may live apart from the broker: on a Redis of their
+# own, or on a Redis Cluster, whose shards then share the fleet's token traffic (one Redis
+# carried about two GPUs' worth of tokens: bench/README.md). Their keys carry a hash tag
+# (tidegate/keys.py `job_tag`), so a job's keys sit on one shard, and the jobs of one tag
+# share a slot: one script call appends many jobs' events, one XREAD reads many streams.
+
+
+@dataclass(frozen=True)
+class ClusterTarget:
+    """A `redis+cluster://` URL, parsed: the nodes to learn the cluster's layout from."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+
+
+def is_cluster(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def is_cluster_client(client: Any) -> bool:
+    """Whether `client` (sync or asyncio) talks to a Redis Cluster: its multi-key commands
+    and scripts then take keys of one slot only."""
+    return isinstance(client, redis.cluster.RedisCluster | aiocluster.RedisCluster)
+
+
+def parse_cluster(url: str) -> ClusterTarget:
+    """A `redis+cluster://` URL's parts; ValueError naming the part at fault, with the form."""
+    scheme, _, rest = url.partition("://")
+    netloc, _, path = rest.partition("/")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError(f"a Redis Cluster has no database but 0 (got /{path}); the form is "
+                         f"{CLUSTER_FORM}")
+    userinfo, _, hosts = netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    items = [item.strip() for item in hosts.split(",")]
+    if not any(items):
+        raise ValueError(f"names no node; the form is {CLUSTER_FORM}")
+    return ClusterTarget(tuple(_host_port(item, CLUSTER_PORT, "node") for item in items if item),
+                         tls=scheme == "rediss+cluster", username=unquote(username) or None,
+                         password=unquote(password) or None)
+
+
+def validate_streams(url: str) -> str:
+    """TIDEGATE_STREAMS_URL: empty (the streams live on TIDEGATE_REDIS_URL), a Redis, a
+    Sentinel-managed master, or a Redis Cluster; ValueError naming what is wrong."""
+    if not url:
+        return url
+    if is_cluster(url):
+        parse_cluster(url)
+        return url
+    try:
+        return validate(url)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; or a Redis Cluster: {CLUSTER_FORM}") from None
+
+
+def _cluster_kwargs(target: ClusterTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
+    out = {**timeouts(), **kwargs, "username": target.username, "password": target.password}
+    if target.tls:
+        out["ssl"] = True
+    return out
+
+
+def sync_streams_client(url: str, **kwargs: Any) -> Any:
+    """A client of the token streams' Redis (`url`, TIDEGATE_STREAMS_URL, or the main Redis's
+    URL when that is empty): redis-py's RedisCluster for a cluster, which follows MOVED
+    answers and a failover's new layout, retrying a command on a connection error
+    (cluster_error_retry_attempts); else `sync_client`. Any: the two share no type."""
+    if not is_cluster(url):
+        return sync_client(url, **kwargs)
+    target = parse_cluster(url)
+    return redis.cluster.RedisCluster(
+        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
+        **_cluster_kwargs(target, kwargs))
+
+
+def async_streams_client(url: str, *, max_connections: int | None = None,
+                         pool_timeout_s: float | None = None, **kwargs: Any) -> Any:
+    """`sync_streams_client` for asyncio: a cluster's client bounds each node's pool by
+    `max_connections` (its own default when None)."""
+    if not is_cluster(url):
+        return async_client(url, max_connections=max_connections,
+                            pool_timeout_s=pool_timeout_s, **kwargs)
+    target = parse_cluster(url)
+    options = _cluster_kwargs(target, kwargs)
+    if max_connections is not None:
+        options["max_connections"] = max_connections
+    return aiocluster.RedisCluster(
+        startup_nodes=[aiocluster.ClusterNode(h, p) for h, p in target.nodes], **options)

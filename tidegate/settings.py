@@ -37,9 +37,17 @@ class Settings(BaseSettings):
     # Broker, token streams, heartbeats: one server, or sentinel://... (tidegate/redisconn.py)
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
-        description="Redis for the broker, token streams, heartbeats and leases: "
+        description="Redis for the broker, heartbeats, and the token streams and leases unless "
+        "TIDEGATE_STREAMS_URL puts them apart: "
         "redis://[:PASSWORD@]host:6379/0, or a master behind Redis Sentinel, "
         "sentinel://host:26379;host2:26379/0?master=NAME (docs/operations.md, Redis Sentinel).")
+    # Token streams apart from the broker (tidegate/redisconn.py, "token streams").
+    streams_url: str = Field(
+        "",
+        description="Redis for the jobs' token streams, leases and cancel keys, apart from the "
+        "broker: redis://..., sentinel://..., or a Redis Cluster, "
+        "redis+cluster://host:7000,host2:7000 (the shards share the token traffic). Empty: "
+        "TIDEGATE_REDIS_URL. Every process of a deployment must name the same one.")
     database_url: str = Field(
         "",
         description="The store: sqlite:///PATH or postgresql://...; empty: the SQLite file "
@@ -516,6 +524,20 @@ class Settings(BaseSettings):
     def _redis_url(cls, v: str) -> str:
         return redisconn.validate(v)  # one server, or Sentinel (tidegate/redisconn.py)
 
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str) -> str:
+        # A job's keys carry a hash tag in braces (tidegate/keys.py): a brace before it
+        # would make Redis Cluster hash the wrong part.
+        if not v or "{" in v or "}" in v or any(c.isspace() for c in v):
+            raise ValueError("must be a non-empty name without braces or spaces")
+        return v
+
+    @field_validator("streams_url")
+    @classmethod
+    def _streams_url(cls, v: str) -> str:
+        return redisconn.validate_streams(v)
+
     @field_validator("webhook_proxy_url")
     @classmethod
     def _proxy_url(cls, v: str) -> str:
@@ -576,6 +598,11 @@ class Settings(BaseSettings):
     def redis_timeouts(self) -> dict[str, float]:
         """redis-py's timeout options: `redisconn.sync_client(url, **redis_timeouts)`."""
         return redisconn.timeouts(self.redis_connect_timeout_s, self.redis_socket_timeout_s)
+
+    @property
+    def streams_redis_url(self) -> str:
+        """Where the token streams live: TIDEGATE_STREAMS_URL, else TIDEGATE_REDIS_URL."""
+        return self.streams_url or self.redis_url
 
     @property
     def store_timeouts(self) -> dict[str, Any]:

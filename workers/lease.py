@@ -90,8 +90,10 @@ class Lease:
 
     def renew_in(self, pipe: Any) -> None:
         """renew() queued on a pipeline by its script's sha (the reply: 1 held, 0 another's;
-        NoScriptError when Redis does not know it, and the caller then renews itself)."""
-        pipe.evalsha(self._renew.sha, len(self._keys), *self._keys, self.owner, self.ttl_s)
+        NoScriptError when Redis does not know it, and the caller then renews itself).
+        EVALSHA by execute_command: redis-py's cluster pipeline refuses its evalsha()."""
+        pipe.execute_command("EVALSHA", self._renew.sha, len(self._keys), *self._keys,
+                             self.owner, self.ttl_s)
 
     def release(self) -> None:
         """Deletes the lease if it is still this attempt's, never another's."""
@@ -101,4 +103,4 @@ class Lease:
     def release_in(self, pipe: Any) -> None:
         """release() queued on a pipeline: its script by sha (the caller falls back to
         release() when Redis does not know it)."""
-        pipe.evalsha(self._release.sha, 1, self.key, self.owner)
+        pipe.execute_command("EVALSHA", self._release.sha, 1, self.key, self.owner)

@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from tidegate import keys
+from tidegate import keys, redisconn
 from tidegate.events import Event
 from workers.lease import ENDED_FUNCTION, RENEW, Lease, LeaseLost
 
@@ -76,6 +76,17 @@ end
 return answers
 """
 
+# On a Redis Cluster (TIDEGATE_STREAMS_URL) the live channel is a shard channel: a PUBLISH
+# there goes to every node of the cluster over its bus, a cost per event on every shard
+# (bench/README.md); SPUBLISH stays on the shard of the job's slot (subscribers use
+# SSUBSCRIBE). Its channel carries the job's hash tag, as a script's keys must.
+
+
+def sharded(script: str) -> str:
+    """`script` publishing on shard channels (SPUBLISH, Redis 7) instead of PUBLISH."""
+    return script.replace("redis.call('PUBLISH',", "redis.call('SPUBLISH',")
+
+
 
 @dataclass(frozen=True)
 class StreamState:
@@ -89,13 +100,16 @@ class StreamState:
 
 
 class EventPublisher:
-    def __init__(self, client: redis.Redis, namespace: str, maxlen: int, ttl_s: int) -> None:
+    def __init__(self, client: Any, namespace: str, maxlen: int, ttl_s: int) -> None:
         self.r = client
         self.ns = namespace
         self.maxlen = maxlen
         self.ttl_s = ttl_s
-        self._append: Any = client.register_script(APPEND)
-        self._append_many: Any = client.register_script(APPEND_MANY)
+        self._scripts = (APPEND, APPEND_MANY)
+        if redisconn.is_cluster_client(client):
+            self._scripts = (sharded(APPEND), sharded(APPEND_MANY))
+        self._append: Any = client.register_script(self._scripts[0])
+        self._append_many: Any = client.register_script(self._scripts[1])
 
     def publish(self, event: Event, lease: Lease, history: Sequence[Event] = ()) -> bool:
         """Append and publish; False when this seq was already appended (a duplicate);
@@ -115,7 +129,7 @@ class EventPublisher:
         when all goes well; otherwise publish() then release(), each on its own."""
         script_keys, args = self.append_call(event, lease, "next" if event.seq > 0 else "first")
         pipe = self.r.pipeline(transaction=False)
-        pipe.evalsha(self.append_sha, 2, *script_keys, *args)
+        pipe.execute_command("EVALSHA", self.append_sha, 2, *script_keys, *args)
         lease.release_in(pipe)
         appended, released = pipe.execute(raise_on_error=False)
         if appended == 1:
@@ -157,9 +171,8 @@ class EventPublisher:
         """Load the append scripts into Redis (a restarted Redis has lost them): for
         callers that send them by their sha in a pipeline (workers/streamer.py), with the
         lease's renew, which the streamer sends with a job's last batch."""
-        self.r.script_load(APPEND)
-        self.r.script_load(APPEND_MANY)
-        self.r.script_load(RENEW)
+        for script in (*self._scripts, RENEW):
+            self.r.script_load(script)
 
     def append_call(self, event: Event, lease: Lease, mode: str) -> tuple[list[str], list[Any]]:
         """The append script's keys and arguments for one event."""

@@ -37,6 +37,12 @@ TRANSIENT: tuple[type[BaseException], ...] = (
     sqlalchemy.exc.TimeoutError,
     redis.ConnectionError,
     redis.TimeoutError,
+    # A Redis Cluster's failover (TIDEGATE_STREAMS_URL): the cluster answers CLUSTERDOWN or
+    # TRYAGAIN, or the client finds no master for a slot, until a replica is promoted.
+    redis.exceptions.ClusterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+    redis.exceptions.ClusterError,
 )
 FIRST_WAIT_S = 0.05
 MAX_WAIT_S = 2.0  # a store back after an outage is used within this

@@ -55,7 +55,10 @@ class WorkerContext:
     name: str
     namespace: str
     store: Store
-    redis: redis.Redis
+    redis: redis.Redis  # the main Redis: rate limits
+    # The token streams' Redis (TIDEGATE_STREAMS_URL; maybe a cluster, maybe `redis`): a
+    # job's lease, stream and cancel key.
+    streams: Any
     publisher: EventPublisher
     host: EngineHost
     lease_ttl_s: int  # keys.lease_ttl_s of the worker's heartbeat period
@@ -107,7 +110,7 @@ ENGINE_DEAD = "engine-dead"  # outcome: the engine died under the job; left to a
 def run_job(ctx: WorkerContext, body: dict[str, Any]) -> str:
     """Run one job; returns the outcome (for logs and tests). Never raises."""
     payload = GeneratePayload.from_dict(body)
-    lease = Lease(ctx.redis, keys.job_lease(ctx.namespace, payload.job_id), ctx.name,
+    lease = Lease(ctx.streams, keys.job_lease(ctx.namespace, payload.job_id), ctx.name,
                   ctx.lease_ttl_s, stream=keys.job_events(ctx.namespace, payload.job_id))
     try:
         taken, opening = _take(ctx, payload, lease)
@@ -159,7 +162,7 @@ def _take(ctx: WorkerContext, payload: GeneratePayload,
 def _take_reading(ctx: WorkerContext, job_id: str, lease: Lease) -> _Opening | None:
     """The lease taken and, in the same round trip, the job's stream and cancel key read
     (two round trips fewer a job); None when another attempt holds the lease."""
-    pipe = ctx.redis.pipeline(transaction=False)
+    pipe = ctx.streams.pipeline(transaction=False)
     lease.take_in(pipe)
     pipe.xrange(keys.job_events(ctx.namespace, job_id))
     pipe.exists(keys.job_cancel(ctx.namespace, job_id))
@@ -237,7 +240,7 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
         else:
             _emit(ctx, payload.job_id, progress, "started", data=started)
     if (opening.cancelled if opening else
-            ctx.retry(ctx.redis.exists, keys.job_cancel(ctx.namespace, payload.job_id))):
+            ctx.retry(ctx.streams.exists, keys.job_cancel(ctx.namespace, payload.job_id))):
         return _end_cancelled(ctx, payload, progress)
     return _generate(ctx, payload, progress, state)
 
@@ -380,7 +383,7 @@ class _CancelWatch:
         if self.fired or now < self.next_check:
             return
         self.next_check = now + self.PERIOD_S
-        if self.ctx.retry(self.ctx.redis.exists, keys.job_cancel(self.ctx.namespace,
+        if self.ctx.retry(self.ctx.streams.exists, keys.job_cancel(self.ctx.namespace,
                                                                  self.job_id)):
             self.fired = True
             self.ctx.host.cancel(self.job_id)

@@ -26,12 +26,14 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
+from tidegate import keys, redisconn
 from tidegate.events import Event
 from workers.engine import Delta
 from workers.host import merge, name_os_thread
@@ -40,6 +42,7 @@ from workers.publisher import EventPublisher, is_duplicate
 
 log = logging.getLogger("tidegate.worker")
 
+T = TypeVar("T")
 THREAD = "tidegate-writer"
 CANCEL_CHECK_S = 0.25
 
@@ -95,10 +98,19 @@ class _Take:
     settled: bool = False  # its answer is applied
 
 
+def by_tag(items: list[T], key_of: Callable[[T], str]) -> list[list[T]]:
+    """`items` in groups of one job tag each (tidegate/keys.py), in their order within each."""
+    groups: dict[str, list[T]] = {}
+    for item in items:
+        groups.setdefault(keys.tag_of(key_of(item)), []).append(item)
+    return list(groups.values())
+
+
 class Streamer:
-    def __init__(self, client: redis.Redis, publisher: EventPublisher,
+    def __init__(self, client: Any, publisher: EventPublisher,
                  cancel_check_s: float = CANCEL_CHECK_S) -> None:
         self.r = client
+        self._sharded = redisconn.is_cluster_client(client)
         self.publisher = publisher
         self.cancel_check_s = cancel_check_s
         self._lock = threading.Lock()
@@ -246,26 +258,32 @@ class Streamer:
         pipe = self.r.pipeline(transaction=False)
         calls = [(event, take.feed.progress.lease) for take in takes
                  for event in (take.head, take.event) if event is not None]
-        if calls:
-            script_keys, args = self.publisher.append_many_call(calls)
-            pipe.evalsha(self.publisher.append_many_sha, len(script_keys), *script_keys, *args)
-        if watched:
-            pipe.exists(*[feed.cancel_key for feed in watched])
+        # A cluster takes a script's keys, and EXISTS's, from one slot: a call per tag.
+        call_groups = by_tag(calls, lambda call: call[1].key) if self._sharded else [calls]
+        for group in call_groups if calls else ():
+            script_keys, args = self.publisher.append_many_call(group)
+            pipe.execute_command("EVALSHA", self.publisher.append_many_sha, len(script_keys),
+                                 *script_keys, *args)
+        watch_groups = (by_tag(watched, lambda feed: feed.cancel_key) if self._sharded
+                        else [watched])
+        for feeds in watch_groups if watched else ():
+            pipe.exists(*[feed.cancel_key for feed in feeds])
         # A job's run ends with this batch: its lease renewed in the same round trip, so
         # the job's end (workers/runner.py `_finish`) need not renew it in one of its own.
         ending = [take for take in takes if take.ended and take.end is None]
         for take in ending:
             take.feed.progress.lease.renew_in(pipe)
         replies = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
-        appended = iter(self.publisher.many_answers(next(replies), len(calls))
-                        if calls else ())
+        by_call = {id(call): answer for group in call_groups if calls
+                   for call, answer in zip(group, self.publisher.many_answers(
+                       next(replies), len(group)), strict=True)}
+        appended = iter(by_call[id(call)] for call in calls)
         answers = [[next(appended) for event in (take.head, take.event) if event is not None]
                    for take in takes]
         cancelled: list[Feed] = []
-        if watched:
-            count = next(replies)
-            if isinstance(count, int) and count > 0:  # rare: find which
-                cancelled = [feed for feed in watched if self.r.exists(feed.cancel_key)]
+        counts = [next(replies) for _ in watch_groups] if watched else []
+        if any(isinstance(count, int) and count > 0 for count in counts):  # rare: find which
+            cancelled = [feed for feed in watched if self.r.exists(feed.cancel_key)]
         renewed_at = time.monotonic()
         for take in ending:
             renewed = next(replies)

@@ -82,6 +82,9 @@ class Worker:
         self.store_fault = StoreFault()  # fault injection: store statements that fail
         self.hold = TokenHold()  # fault injection: a job held mid-generation
         self.redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
+        # Jobs' streams, leases and cancel keys: the same client unless they live apart.
+        self.streams: Any = self.redis if not settings.streams_url else \
+            redisconn.sync_streams_client(settings.streams_url, **settings.redis_timeouts)
         self.ctx: WorkerContext | None = None  # set once the engine is loaded and warmed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # jobs in flight went down
@@ -101,12 +104,13 @@ class Worker:
         host.start(warm_prompts=["warm up"])
         log.info("engine loaded and warmed in %.1f s", time.monotonic() - started)
         s = self.settings
-        publisher = EventPublisher(self.redis, s.namespace, s.stream_maxlen, s.stream_ttl_s)
+        publisher = EventPublisher(self.streams, s.namespace, s.stream_maxlen, s.stream_ttl_s)
         store = Store(s.db_url, **s.store_timeouts)
         self.store_fault.install(store)
-        streamer = Streamer(self.redis, publisher)
+        streamer = Streamer(self.streams, publisher)
         self.ctx = WorkerContext(name=self.name, namespace=s.namespace, store=store,
-                                 redis=self.redis, publisher=publisher, host=host,
+                                 redis=self.redis, streams=self.streams, publisher=publisher,
+                                 host=host,
                                  lease_ttl_s=keys.lease_ttl_s(s.heartbeat_s),
                                  max_attempts=s.max_attempts, retry=Retrier(s.io_retry_s),
                                  lanes=list(hosted_lanes(s.lanes, self.lane)), hold=self.hold,
@@ -364,7 +368,7 @@ class Heartbeats(threading.Thread):
 
     def leased(self, job_ids: list[str]) -> set[str]:
         """The jobs that an attempt holds now (their lease exists), in one round trip."""
-        ns, pipe = self.worker.settings.namespace, self.worker.redis.pipeline(transaction=False)
+        ns, pipe = self.worker.settings.namespace, self.worker.streams.pipeline(transaction=False)
         for job_id in job_ids:
             pipe.exists(keys.job_lease(ns, job_id))
         return {job_id for job_id, n in zip(job_ids, pipe.execute(), strict=True) if n}

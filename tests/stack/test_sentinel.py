@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import redis
@@ -176,7 +176,15 @@ class Reader(threading.Thread):
         return self.failure is not None or (bool(self.events) and self.events[-1].terminal)
 
 
-def start_jobs(ha: HaStack, count: int) -> list[Reader]:
+class JobStack(Protocol):
+    """A stack the jobs below run on (this module's, tests/stack/test_streams_cluster.py's)."""
+
+    running: RunningStack
+    store: Store
+    key: str  # an API key of a tenant allowed the lane
+
+
+def start_jobs(ha: JobStack, count: int) -> list[Reader]:
     with Client(ha.running.base_url, ha.key) as client:
         ids = [str(client.submit(LANE, prompt=PROMPT, max_tokens=MAX_TOKENS)["job_id"])
                for _ in range(count)]
@@ -186,7 +194,7 @@ def start_jobs(ha: HaStack, count: int) -> list[Reader]:
     return readers
 
 
-def assert_heard_and_stored_done(ha: HaStack, reader: Reader) -> None:
+def assert_heard_and_stored_done(ha: JobStack, reader: Reader) -> None:
     assert reader.failure is None, f"job {reader.job_id}: the consumer failed: {reader.failure!r}"
     events = reader.events
     assert [e.seq for e in events] == list(range(len(events))), \

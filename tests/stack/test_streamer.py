@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import redis
 
-from tidegate import keys
+from tidegate import keys, redisconn
 from tidegate.events import Event
-from tidegate_tools.procs import Proc, free_port, start_redis
+from tidegate_tools.procs import Proc, RedisClusterProcs, free_port, redis_cluster, start_redis
 from workers.engine import Delta
 from workers.host import Cancelled
 from workers.lease import Lease
@@ -26,8 +26,25 @@ NS = "tgstreamer"
 WAIT_S = 10.0
 
 
-@pytest.fixture()
-def client(tmp_root: Path) -> Iterator[redis.Redis]:
+@pytest.fixture(scope="module")
+def cluster(tmp_root: Path) -> Iterator[RedisClusterProcs]:
+    with redis_cluster(tmp_root / "logs" / "streamer-cluster") as procs:
+        yield procs
+
+
+@pytest.fixture(params=["redis", "cluster"])
+def client(request: pytest.FixtureRequest, tmp_root: Path) -> Iterator[Any]:
+    """A redis-server of the test's own, or a three-master Redis Cluster's client (the
+    streams on TIDEGATE_STREAMS_URL): its jobs' keys fall on every shard."""
+    if request.param == "cluster":
+        procs: RedisClusterProcs = request.getfixturevalue("cluster")
+        sharded = redisconn.sync_streams_client(procs.url)
+        try:
+            yield sharded
+        finally:
+            sharded.flushall()
+            sharded.close()
+        return
     port = free_port()
     proc: Proc = start_redis(port, tmp_root / "logs")
     try:

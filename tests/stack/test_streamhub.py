@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import redis
 from redis import asyncio as aioredis
+from redis.crc import key_slot
 
-from api.streamhub import StreamHub
+from api.streamhub import StreamHub, TaggedStreamHub, stream_hub
 from tests.stack.test_sentinel import redis_trio
-from tidegate import redisconn
-from tidegate_tools.procs import free_port
+from tidegate import keys, redisconn
+from tidegate_tools.procs import RedisClusterProcs, free_port, redis_cluster
 
 DB = 41
 
@@ -182,3 +183,68 @@ def test_a_hub_blocked_on_the_master_follows_the_failover(tmp_root: Path) -> Non
                 await client.aclose()
 
         assert asyncio.run(main()) == [(b"1-0", {b"e": b"1"})]
+
+
+# -- on a Redis Cluster (TIDEGATE_STREAMS_URL): one XREAD per job tag -------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_root: Path) -> Iterator[RedisClusterProcs]:
+    """Three masters, a replica each (the failover case promotes one)."""
+    with redis_cluster(tmp_root / "logs" / "hub-cluster", replicas=1) as procs:
+        yield procs
+
+
+def job_streams(ns: str, count: int) -> list[str]:
+    return [keys.job_events(ns, f"job-{i}") for i in range(count)]
+
+
+def test_a_tagged_hub_reads_the_streams_of_every_shard(cluster: RedisClusterProcs) -> None:
+    """Streams of 24 jobs, their tags on all three masters: each waiter gets its own
+    stream's entries, through the XREAD of its tag on the node serving it."""
+    ns = f"tghub{uuid.uuid4().hex[:8]}"
+    streams = job_streams(ns, 24)
+    assert {cluster.master_of_slot(key_slot(k.encode())) for k in streams} == \
+        set(cluster.masters_now())
+
+    async def main() -> list[Any]:
+        client = redisconn.async_streams_client(cluster.url)
+        hub = stream_hub(client, ns)
+        assert isinstance(hub, TaggedStreamHub)
+        try:
+            reads = [asyncio.create_task(hub.read(k, "0-0", 20)) for k in streams]
+            for i, k in enumerate(streams):
+                await client.xadd(k, {"e": str(i)}, id="1-0")
+            return await asyncio.wait_for(asyncio.gather(*reads), 30)
+        finally:
+            await hub.close()
+            await client.aclose()
+
+    got = asyncio.run(main())
+    assert got == [[(b"1-0", {b"e": str(i).encode()})] for i in range(len(streams))]
+
+
+def test_a_tagged_hub_follows_its_node_s_failover(cluster: RedisClusterProcs) -> None:
+    """The XREAD of a tag blocks on its master when that master is SIGKILLed: the hub reads
+    the cluster's layout again and hands out what is written on the promoted replica."""
+    ns = f"tghubfail{uuid.uuid4().hex[:8]}"
+    key = job_streams(ns, 1)[0]
+    master = cluster.master_of_slot(key_slot(key.encode()))
+
+    async def main() -> list[Any]:
+        client = redisconn.async_streams_client(cluster.url)
+        hub = stream_hub(client, ns)
+        try:
+            reading = asyncio.create_task(hub.read(key, "0-0", 60))
+            node = cluster.node(master)
+            while not any(c["cmd"] == "xread" for c in node.client_list()):
+                await asyncio.sleep(0.05)
+            await asyncio.to_thread(cluster.kill_master, master)
+            writer = redisconn.sync_streams_client(cluster.url)
+            writer.xadd(key, {"e": "1"}, id="1-0")
+            writer.close()
+            return await asyncio.wait_for(reading, 40)
+        finally:
+            await hub.close()
+            await client.aclose()
+
+    assert asyncio.run(main()) == [(b"1-0", {b"e": b"1"})]

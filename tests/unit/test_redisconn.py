@@ -75,3 +75,33 @@ def test_sentinel_clients_ask_the_sentinels_for_the_master() -> None:
     assert isinstance(apool, aioredis.BlockingConnectionPool)
     assert isinstance(apool, aioredis.sentinel.SentinelConnectionPool)
     assert (apool.max_connections, apool.timeout, apool.service_name) == (5, 2.0, "main")
+
+
+# -- TIDEGATE_STREAMS_URL: the token streams apart, maybe on a Redis Cluster ---------------
+
+def test_cluster_url_names_its_nodes_credentials_and_tls() -> None:
+    target = redisconn.parse_cluster("redis+cluster://app:pw@10.0.0.1:7000,10.0.0.2,[::1]:7002")
+    assert target.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 6379), ("::1", 7002))
+    assert (target.username, target.password, target.tls) == ("app", "pw", False)
+    assert redisconn.parse_cluster("rediss+cluster://h:7000/0").tls
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+cluster://", "names no node"),
+    ("redis+cluster://h:7000/3", "no database but 0"),
+    ("redis+cluster://h:port", "'h:port' is not host[:port]"),
+    ("cluster://h:7000", "redis+cluster://"),
+])
+def test_malformed_streams_url_is_refused_at_start_naming_the_fault(url: str, says: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        Settings(streams_url=url)
+    assert err.value.errors()[0]["loc"] == ("streams_url",)
+    assert says in str(err.value)
+
+
+def test_streams_url_empty_means_the_main_redis_and_a_cluster_gets_a_cluster_client() -> None:
+    assert Settings(streams_url="").streams_redis_url == Settings().redis_url
+    sync = redisconn.sync_streams_client("redis://127.0.0.1:6379/0")
+    assert isinstance(sync, redis.Redis) and not redisconn.is_cluster_client(sync)
+    with pytest.raises(ValidationError):  # a brace would move the job keys' hash tag
+        Settings(namespace="tg{x}")
