@@ -68,11 +68,12 @@ test: venv model ops-tools
 # file's `config`), for tests/unit/test_dashboard.py and test_deploy.py. Best effort: as
 # root where apt works; without them those tests skip, saying why.
 ops-tools:
-	@if ! command -v promtool >/dev/null || ! command -v docker-compose >/dev/null; then \
+	@if ! command -v promtool >/dev/null || ! command -v docker-compose >/dev/null \
+	    || ! command -v redis-cli >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	      --no-install-recommends prometheus docker-compose >/dev/null) \
-	      || echo "ops-tools: apt-get failed; the promtool and compose tests will skip"; \
+	      --no-install-recommends prometheus docker-compose redis-tools >/dev/null) \
+	      || echo "ops-tools: apt-get failed; the promtool, compose and cluster tests will skip"; \
 	  else echo "ops-tools: not root; the promtool and compose tests will skip"; fi; \
 	fi
 

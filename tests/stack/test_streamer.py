@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import redis
 
+from tests.helpers import tool_or_skip
 from tidegate import keys, redisconn
 from tidegate.events import Event
 from tidegate_tools.procs import Proc, RedisClusterProcs, free_port, redis_cluster, start_redis
@@ -28,6 +29,7 @@ WAIT_S = 10.0
 
 @pytest.fixture(scope="module")
 def cluster(tmp_root: Path) -> Iterator[RedisClusterProcs]:
+    tool_or_skip("redis-cli", "Debian's redis-tools: make ops-tools")
     with redis_cluster(tmp_root / "logs" / "streamer-cluster") as procs:
         yield procs
 

@@ -19,6 +19,7 @@ from redis import asyncio as aioredis
 from redis.crc import key_slot
 
 from api.streamhub import StreamHub, TaggedStreamHub, stream_hub
+from tests.helpers import tool_or_skip
 from tests.stack.test_sentinel import redis_trio
 from tidegate import keys, redisconn
 from tidegate_tools.procs import RedisClusterProcs, free_port, redis_cluster
@@ -190,6 +191,7 @@ def test_a_hub_blocked_on_the_master_follows_the_failover(tmp_root: Path) -> Non
 @pytest.fixture(scope="module")
 def cluster(tmp_root: Path) -> Iterator[RedisClusterProcs]:
     """Three masters, a replica each (the failover case promotes one)."""
+    tool_or_skip("redis-cli", "Debian's redis-tools: make ops-tools")
     with redis_cluster(tmp_root / "logs" / "hub-cluster", replicas=1) as procs:
         yield procs
 

@@ -22,6 +22,7 @@ import pytest
 from redis.crc import key_slot
 
 from store import Store, upgrade
+from tests.helpers import tool_or_skip
 from tests.stack.test_sentinel import LANE, assert_heard_and_stored_done, start_jobs
 from tidegate import keys, redisconn
 from tidegate.events import Event
@@ -53,6 +54,7 @@ class ClusterStack:
 
 @pytest.fixture(scope="module")
 def cluster_stack(model_path: Path, tmp_root: Path) -> Iterator[ClusterStack]:
+    tool_or_skip("redis-cli", "Debian's redis-tools: make ops-tools")
     logs = tmp_root / "logs" / "streams-cluster"
     db = f"sqlite:///{tmp_root / 'streams-cluster.db'}"
     upgrade(db)
