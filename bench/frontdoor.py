@@ -980,6 +980,47 @@ def plot(path: Path, by_level: Mapping[int, Mapping[str, Any]]) -> None:
     plt.close(fig)
 
 
+# Issue 29's figures when it was filed (frontdoor at 256 streams, the H100 profile), for the
+# ceilings plot's "before": constants of the issue's text, not another run's output.
+FILED_CEILINGS = {"worker": 1e6 / (79 + 24), "API": 1e6 / 56, "Redis": 1e6 / 21}
+GPU_TOKENS_PER_S = (20_000, 30_000)  # a 7-8B FP8 model on one H100-class GPU (issue 29)
+
+
+def ceilings(f: Mapping[str, Any]) -> dict[str, float]:
+    """What one process of each kind carries, 1e6 / its CPU per token: the worker with its
+    engine client's thread; Redis, with the streams on a cluster, as the fleet's tokens/s
+    at which its busiest shard is full."""
+    redis_us = max(f["shard_cpu_us_per_fleet_token"]) if "streams_shards" in f else \
+        f["redis_cpu_us_per_token"]
+    return {"worker": float(f["worker_max_tokens_per_s"]),
+            "API": ratio(1e6, f["api_cpu_us_per_token"]), "Redis": ratio(1e6, redis_us)}
+
+
+def plot_ceilings(path: Path, f: Mapping[str, Any]) -> None:
+    """Each process's tokens/s ceiling at the headline level against the issue's filing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    now = ceilings(f)
+    names = list(FILED_CEILINGS)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [FILED_CEILINGS[n] for n in names], 0.4,
+           label="when issue 29 was filed")
+    ax.bar([x + 0.2 for x in xs], [now[n] for n in names], 0.4, label="this run")
+    ax.axhspan(*GPU_TOKENS_PER_S, color="grey", alpha=0.2, label="one H100, 7-8B FP8")
+    ax.set_xticks(list(xs), [f"one {n} process" if n != "Redis" else "Redis" for n in names])
+    ax.set(ylabel="tokens/s one process carries (1e6 / CPU us per token)",
+           title=f"ceilings at {f['concurrency']} streams (2 cores, client included)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _series_label(key: str) -> str:
     if key.endswith("_with_workers"):
         return "workers running"
@@ -1078,10 +1119,12 @@ def report(cfg: Config, by_level: dict[int, dict[str, Any]], wall_s: float) -> d
                  "\n\n".join(tables), setup, notes)
     plot(RESULTS / f"{cfg.name}.png", by_level)
     head = by_level.get(HEADLINE) or by_level[min(by_level, key=lambda n: abs(n - HEADLINE))]
+    plot_ceilings(RESULTS / f"{cfg.name}-ceilings.png", head)
     out = {"benchmark": "frontdoor", "headline_concurrency": head["concurrency"],
            **{key: head[key] for key in BARS},
            **{key: head[key] for key in HEADLINE_KEYS},
            **{key: head[key] for key in SHARD_KEYS if key in head},
+           "max_tokens_per_s": ceilings(head),
            "bars": {k: list(v) for k, v in BARS.items()},
            "by_concurrency": {str(n): f for n, f in sorted(by_level.items())},
            "setup": setup, "wall_s": round(wall_s, 1)}

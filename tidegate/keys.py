@@ -153,6 +153,12 @@ def job_live(ns: str, job_id: str) -> str:
     return f"{ns}:job:{{{job_tag(job_id)}}}:{job_id}:live"
 
 
+def job_live_pattern(ns: str) -> str:
+    """Every job's live channel (PSUBSCRIBE; on a cluster they are shard channels, which
+    take no pattern: SSUBSCRIBE each)."""
+    return f"{ns}:job:*:live"
+
+
 def job_lease(ns: str, job_id: str) -> str:
     return f"{ns}:job:{{{job_tag(job_id)}}}:{job_id}:lease"
 

@@ -96,7 +96,7 @@ def same(ours: list[Event], sdk: list[Any]) -> bool:
 
 def test_pubsub_subscribers_see_the_same_events_live(stack: Stack) -> None:
     pubsub = stack.redis.pubsub(ignore_subscribe_messages=True)
-    pubsub.psubscribe(keys.job_live(stack.namespace, "*"))
+    pubsub.psubscribe(keys.job_live_pattern(stack.namespace))
     job_id = submit(stack, "chat", max_tokens=10)
     streamed = consume(stack, job_id)
     live: list[Event] = []
