@@ -43,10 +43,18 @@ local function append(lease, stream, o)
   local holder = redis.call('GET', lease)
   if holder and holder ~= ARGV[o + 1] then return 0 end
   if not holder and ended(stream) then return 0 end
-  if ARGV[o + 9] == 'next' and redis.call('EXISTS', stream) == 0 then return -1 end
   if not holder then redis.call('SET', lease, ARGV[o + 1], 'EX', ARGV[o + 8]) end
-  local added = redis.pcall('XADD', stream, 'MAXLEN', '~', ARGV[o + 5], ARGV[o + 2],
-                            'e', ARGV[o + 3], 'k', ARGV[o + 4], 't', ARGV[o + 10])
+  -- After the first event the stream must be there: NOMKSTREAM answers nil (false in
+  -- Lua) when it is gone, in the same command (an EXISTS before it was one more per event).
+  local added
+  if ARGV[o + 9] == 'next' then
+    added = redis.pcall('XADD', stream, 'NOMKSTREAM', 'MAXLEN', '~', ARGV[o + 5], ARGV[o + 2],
+                        'e', ARGV[o + 3], 'k', ARGV[o + 4], 't', ARGV[o + 10])
+    if not added then return -1 end
+  else
+    added = redis.pcall('XADD', stream, 'MAXLEN', '~', ARGV[o + 5], ARGV[o + 2],
+                        'e', ARGV[o + 3], 'k', ARGV[o + 4], 't', ARGV[o + 10])
+  end
   if type(added) == 'table' and added.err then return added end
   if ARGV[o + 9] ~= 'restore' then redis.call('PUBLISH', ARGV[o + 6], ARGV[o + 3]) end
   if ARGV[o + 7] ~= '0' then redis.call('EXPIRE', stream, ARGV[o + 7]) end
