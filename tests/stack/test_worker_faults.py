@@ -58,7 +58,11 @@ def queue() -> str:
 
 @pytest.fixture(scope="module")
 def spare(stack: Stack, tmp_root: Path) -> Iterator[Proc]:
-    env = dict(os.environ, TIDEGATE_IO_RETRY_S=str(RETRY_S))
+    # Each engine step a few ms longer (an allocation's fault injection, far under the health
+    # check's threshold): an 1,800-token job then runs for seconds, so the engine's kill
+    # lands mid-job even when the engine at full speed starves this process (CI once saw
+    # the job end 66 ms before the kill).
+    env = dict(os.environ, TIDEGATE_IO_RETRY_S=str(RETRY_S), TIDEGATE_VLLM_KV_ALLOC_DELAY_MS="3")
     proc = start_worker(env, LANE, SPARE, tmp_root / "logs", cpus="1")
     try:
         wait_until(lambda: state(stack, SPARE) == WorkerState.ACTIVE, 240,
