@@ -61,6 +61,12 @@ from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.asyncio.sentinel import SentinelConnectionPool as AsyncSentinelPool
 from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelConnection
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.commands.policies import (
+    CommandPolicies,
+    RequestPolicy,
+    ResponsePolicy,
+    StaticPolicyResolver,
+)
 from redis.connection import parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
@@ -368,6 +374,36 @@ def _cluster_kwargs(target: ClusterTarget, kwargs: dict[str, Any]) -> dict[str, 
     return out
 
 
+class _ScriptsByKeys(StaticPolicyResolver):
+    """redis-py's (7.x) cluster pipeline routes a command its static policies do not name
+    by asking the server for its keys (COMMAND GETKEYS, a round trip to one node) for
+    every EVALSHA queued: measured, a third of one shard's CPU under the workers' appends,
+    and a round trip per script call in the worker (bench/README.md). Named here, a script
+    is routed by its declared keys, as RedisCluster.determine_slot already does outside a
+    pipeline."""
+
+    _KEYED = CommandPolicies(request_policy=RequestPolicy.DEFAULT_KEYED,
+                             response_policy=ResponsePolicy.DEFAULT_KEYED)
+
+    def resolve(self, command_name: str) -> CommandPolicies | None:
+        if command_name in ("evalsha", "eval"):
+            return self._KEYED
+        return super().resolve(command_name)
+
+    def with_fallback(self, fallback: Any) -> Any:
+        return _ScriptsByKeys(fallback)
+
+
+class _StreamsCluster(redis.cluster.RedisCluster):
+    """RedisCluster whose pipelines route by the client's policies (_ScriptsByKeys):
+    redis-py's pipeline() builds each pipeline with the default ones."""
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+        pipe = super().pipeline(transaction, shard_hint)
+        pipe._policy_resolver = self._policy_resolver
+        return pipe
+
+
 def sync_streams_client(url: str, **kwargs: Any) -> Any:
     """A client of the token streams' Redis (`url`, TIDEGATE_STREAMS_URL, or the main Redis's
     URL when that is empty): redis-py's RedisCluster for a cluster, which follows MOVED
@@ -376,9 +412,9 @@ def sync_streams_client(url: str, **kwargs: Any) -> Any:
     if not is_cluster(url):
         return sync_client(url, **kwargs)
     target = parse_cluster(url)
-    return redis.cluster.RedisCluster(
+    return _StreamsCluster(
         startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
-        **_cluster_kwargs(target, kwargs))
+        policy_resolver=_ScriptsByKeys(), **_cluster_kwargs(target, kwargs))
 
 
 def async_streams_client(url: str, *, max_connections: int | None = None,
