@@ -22,6 +22,7 @@ import redis
 from celery import Celery
 
 from store import Store
+from tests.otlp import OtlpReceiver, ReceivedSpan
 from tidegate import keys
 from tidegate.events import Event
 from tidegate_tools.pg import pg_admin
@@ -245,6 +246,29 @@ class InProcessApi:
     key: str
 
 
+# The session's redis-server has 64 databases (tidegate_tools/procs.py start_redis); 0 is
+# the session stack's. Every other one belongs to one module (and one part of it) alone.
+_OWN_DBS: dict[tuple[str, str], int] = {}
+_LAST_DB = 63
+
+
+def own_db(module: str, part: str = "") -> int:
+    """A database number of the session's redis-server for `module`'s `part` alone: the
+    same number on every call in a session, never another module's, so no module sees
+    another's keys (queues, rate limits, heartbeats) whatever order the modules run in."""
+    key = (module, part)
+    if key not in _OWN_DBS:
+        number = len(_OWN_DBS) + 1
+        assert number <= _LAST_DB, f"more than {_LAST_DB} module databases asked for"
+        _OWN_DBS[key] = number
+    return _OWN_DBS[key]
+
+
+def own_redis_url(redis_server: str, module: str, part: str = "") -> str:
+    """The session redis-server's URL (`redis_server`) on own_db(module, part)."""
+    return redis_server.rsplit("/", 1)[0] + f"/{own_db(module, part)}"
+
+
 @contextlib.contextmanager
 def in_process_api(redis_server: str, db_path: Any, redis_db: int, tenant: str,
                    lanes: list[str]) -> Iterator[InProcessApi]:
@@ -309,3 +333,12 @@ def end_tokens_banned(model_path: Path) -> dict[str, int]:
     seconds (the toy model makes one choice's 1,500 tokens in well under one)."""
     ends = json.loads((model_path / "generation_config.json").read_text())["eos_token_id"]
     return {str(token): -100 for token in (ends if isinstance(ends, list) else [ends])}
+
+
+def job_spans(traces: OtlpReceiver, job_id: str) -> list[ReceivedSpan]:
+    """The workers' job spans of `job_id`, once at least one arrived (ended attempts only)."""
+    def spans() -> list[ReceivedSpan]:
+        return [s for s in traces.received() if s.name == "tidegate.job"
+                and s.attributes.get("tidegate.job_id") == job_id]
+    wait_until(lambda: bool(spans()), 30, f"the job span of job {job_id} at the OTLP receiver")
+    return spans()

@@ -199,8 +199,13 @@ class VllmEngine:
             for index, (name, path) in enumerate(adapters, start=1)
         }
         rank = max(_adapter_rank(path) for _, path in adapters)
+        # One slot more than the adapters, left empty (vLLM zero-fills its LoRA slots): in a
+        # batch that mixes adapter and base requests, vLLM's torch LoRA ops (the CPU build's)
+        # index the slot weights with a base row's -1, which Python reads as the LAST slot.
+        # With every slot holding an adapter, base rows got that adapter's output (measured:
+        # tests/stack/test_engine_contract.py's mixed batch); an empty last slot adds zero.
         return {"enable_lora": True, "max_lora_rank": _vllm_lora_rank(rank),
-                "max_loras": len(adapters)}
+                "max_loras": len(adapters) + 1}
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[Delta]:
         from vllm import SamplingParams

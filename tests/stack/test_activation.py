@@ -4,7 +4,7 @@ by an API that reads the heartbeats again only every 30 s. Without the worker's
 announcement (keys.fleet_channel), the API would still see it in standby until its next
 beat and its own next read, and refuse the lane's job with 503.
 
-A stack of its own (API, one standby worker) on Redis database 28, beside the session's.
+A stack of its own (API, one standby worker) on its own Redis database, beside the session's.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from tidegate_client import Client, TidegateError
 from scheduler import control
 from store import Store, upgrade
 from tasks.app import make_app
+from tests.helpers import own_db
 from tidegate.fleet import read_fleet, read_heartbeat
 from tidegate.settings import Settings
 from tidegate_tools.procs import start_worker, wait_until
@@ -28,7 +29,7 @@ from tidegate_tools.stack import running_stack
 
 LANE, POOL = "standby", "vllm"
 NAME = "activation@tidegate"
-REDIS_DB, NAMESPACE = 35, "tgactivation"
+REDIS_DB, NAMESPACE = own_db(__name__, "35"), "tgactivation"
 # Both far longer than the test takes from activation to the job's route: neither the
 # worker's next beat nor the API's next read of the heartbeats comes in between.
 HEARTBEAT_S = FLEET_CACHE_S = "30"

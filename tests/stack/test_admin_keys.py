@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from api.app import create_app
 from store import Store, upgrade
 from store.tenants import Tenants
+from tests.helpers import own_redis_url
 from tests.stack.test_api_validation import advertise_worker
 from tidegate.settings import Settings
 
@@ -43,7 +44,7 @@ class Admin:
 def admin(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Admin]:
     url = f"sqlite:///{tmp_root / 'admin.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/5"
+    redis_url = own_redis_url(redis_server, __name__, "5")
     settings = Settings(redis_url=redis_url, database_url=url)
     admin_key = Tenants(Store(url)).create_admin_key("ops")
     client = redis.Redis.from_url(redis_url)

@@ -19,6 +19,7 @@ from api.app import create_app
 from api.errors import ApiError
 from store import Store, upgrade
 from tasks.app import make_app, queue_lengths
+from tests.helpers import own_redis_url
 from tidegate import keys
 from tidegate.settings import Settings
 from tidegate_tools.procs import free_port
@@ -32,7 +33,7 @@ OK = {"lane": "chat", "messages": [{"role": "user", "content": "Is my refund on 
 def settings(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Settings]:
     url = f"sqlite:///{tmp_root / 'dependencies.db'}"
     upgrade(url)
-    up = Settings(redis_url=redis_server.rsplit("/", 1)[0] + "/3", database_url=url)
+    up = Settings(redis_url=own_redis_url(redis_server, __name__, "3"), database_url=url)
     yield up
     redis.Redis.from_url(up.redis_url).flushdb()
 

@@ -32,7 +32,7 @@ from tidegate_client import Event as SdkEvent
 
 from store import Store, upgrade
 from store.tenants import Tenants
-from tests.helpers import advertise, next_frame
+from tests.helpers import advertise, next_frame, own_db
 from tidegate import keys
 from tidegate.events import Event, Kind
 from tidegate_tools.procs import Proc, free_port, start_api, wait_until
@@ -136,7 +136,7 @@ def test_a_key_revoked_through_one_api_process_is_refused_by_both_and_its_stream
     streams it opened end." The key is revoked through process A's admin route while
     process B holds it as valid (it answered it a moment before) and streams a job with
     it: B ends that stream with the `unauthorized` error event, and both answer 401."""
-    with stack(redis_server, tmp_path, 30, "tgfaultsrevoke") as s, \
+    with stack(redis_server, tmp_path, own_db(__name__, "30"), "tgfaultsrevoke") as s, \
             api_processes(s, [free_port(), free_port()]) as procs:
         a, b = (int(p.name.split(":")[1]) for p in procs)
         admin = {"Authorization": f"Bearer {s.admin_key}"}
@@ -183,7 +183,7 @@ def test_an_api_process_killed_the_sdk_resumes_on_the_next_and_a_retried_submit_
     written while no API ran. A submit retried with the same idempotency key after the
     kill answers with the job made before it: one job."""
     port = free_port()
-    with stack(redis_server, tmp_path, 30, "tgfaultskill") as s, \
+    with stack(redis_server, tmp_path, own_db(__name__, "30"), "tgfaultskill") as s, \
             api_processes(s, [port]) as procs, \
             Client(f"http://127.0.0.1:{port}", s.tenant_key, max_reconnects=1000,
                    retries=0) as sdk:
@@ -260,7 +260,7 @@ def test_an_openai_completion_whose_job_failed_is_not_retried_by_the_openai_clie
     with max_retries=2, a job that failed (502) or ran past its deadline (504) is one
     job, not three."""
     port = free_port()
-    with stack(redis_server, tmp_path, 31, f"tgfaults{status}") as s, \
+    with stack(redis_server, tmp_path, own_db(__name__, "31"), f"tgfaults{status}") as s, \
             api_processes(s, [port]), ThreadPoolExecutor(1) as pool:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=s.tenant_key,
                                max_retries=2, timeout=ANSWER_S)

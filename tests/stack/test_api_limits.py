@@ -23,7 +23,7 @@ import redis.asyncio
 from api.deps import REDIS_SPARE_CONNECTIONS
 from store import Store
 from tasks.app import queue_lengths
-from tests.helpers import api_of_its_own, metric
+from tests.helpers import api_of_its_own, metric, own_db
 from tidegate import keys
 from tidegate_tools.procs import wait_until
 
@@ -48,7 +48,8 @@ class Api:
 @pytest.fixture(scope="module")
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     advertised = [("chat", "vllm"), ("support", "primary")]
-    with api_of_its_own(redis_server, tmp_root, "limits", 12, advertised, **CAPS) as own:
+    with api_of_its_own(redis_server, tmp_root, "limits", own_db(__name__, "12"), advertised,
+                        **CAPS) as own:
         yield Api(own.base_url, own.app, own.store, own.redis)
 
 

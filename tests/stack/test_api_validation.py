@@ -19,7 +19,7 @@ from api.app import create_app
 from api.deps import FLEET_CACHE_S
 from store import Store, upgrade
 from tasks.app import queue_lengths
-from tests.helpers import metric
+from tests.helpers import metric, own_redis_url
 from tidegate import keys
 from tidegate.settings import Settings
 
@@ -33,7 +33,7 @@ OK = {"lane": "chat", "messages": [{"role": "user", "content": "Is my refund on 
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[ApiUnderTest]:
     url = f"sqlite:///{tmp_root / 'validation.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/1"
+    redis_url = own_redis_url(redis_server, __name__, "1")
     settings = Settings(redis_url=redis_url, database_url=url, max_body_bytes=64 * 1024,
                         webhook_deny_hosts="denied.example")
     store = Store(url)

@@ -6,7 +6,7 @@ A job's SSE stream, from the start and resumed, whichever process serves it, car
 events as the worker wrote them, each once and in order (the frames go out past the
 middlewares: api/deps.py EventStream).
 
-Its own SQLite database, Redis database 22, namespace and port; a chat worker only
+Its own SQLite database, its own Redis database, namespace and port; a chat worker only
 advertised (tests/helpers.py), so the jobs stay queued."""
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ import redis
 
 from api.server import listening
 from store import Store, upgrade
-from tests.helpers import advertise, next_frame
+from tests.helpers import advertise, next_frame, own_db
 from tidegate import keys
 from tidegate.events import Event
 from tidegate_tools.procs import Proc, free_port, tidegate_argv, wait_until
 
-DB = 22
+DB = own_db(__name__, "22")
 NAMESPACE = "tgapiworkers"
 CONNECTIONS = 16  # kernel-spread over 2 sockets: all on one of them, 1 in 32768
 START_S = 120.0

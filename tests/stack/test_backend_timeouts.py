@@ -5,7 +5,7 @@ A blackholed backend is a real TCP listener on 127.0.0.1 that accepts every conn
 and never answers (a partitioned host, a dead proxy): the API, served over real HTTP in
 a thread of the test, answers a submit 503 with Retry-After within the timeout, and
 answers other requests afterwards. Without the timeouts the submit's admission thread
-waited for ever. Redis DB 10 where a real Redis is needed."""
+waited for ever. Its own Redis database where a real Redis is needed."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from sqlalchemy.exc import OperationalError
 from api.app import create_app
 from store import FirstToken, JobRecord, Store, upgrade
 from tasks.app import make_app
-from tests.helpers import postgres_or_skip, served
+from tests.helpers import own_redis_url, postgres_or_skip, served
 from tidegate import redisconn
 from tidegate.settings import Settings
 from tidegate_tools.pg import private_database
@@ -158,7 +158,7 @@ def test_a_blackholed_database_is_a_503_within_the_connect_timeout(
         redis_server: str, model_path: Path) -> None:
     with blackhole() as port:
         settings = Settings(
-            redis_url=redis_server.rsplit("/", 1)[0] + "/10", namespace="tgblackholeddb",
+            redis_url=own_redis_url(redis_server, __name__, "10"), namespace="tgblackholeddb",
             database_url=f"postgresql://postgres@127.0.0.1:{port}/tidegate",
             database_connect_timeout_s=DB_CONNECT_TIMEOUT_S)
         # Any key: the database that would say whose it is does not answer.

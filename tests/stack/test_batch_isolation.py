@@ -2,7 +2,7 @@
 error, a broken batch fails alone, the driver is a process of its own (`tidegate
 batches`) held by one lock that another process takes over when its holder dies, a lock
 released late never deletes its successor's, and a batch list's cursor is the tenant's
-own. The API runs in-process on Redis database 6 with a chat worker's heartbeat
+own. The API runs in-process on its own Redis database with a chat worker's heartbeat
 advertised and no worker consuming: a job a batch submits stays queued, and the test
 ends it in the store, as a worker would."""
 
@@ -32,7 +32,7 @@ from api.deps import Deps
 from store import Store, upgrade
 from store.batches import Batches, BatchRecord
 from store.models import File, FilePart
-from tests.helpers import postgres_or_skip, running_driver
+from tests.helpers import own_db, postgres_or_skip, running_driver
 from tests.stack.test_api_validation import waiting
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate import keys
@@ -41,7 +41,7 @@ from tidegate.settings import Settings
 from tidegate_tools.pg import private_database
 from tidegate_tools.procs import Proc, start_batches, wait_until
 
-REDIS_DB = 6
+REDIS_DB = own_db(__name__, "6")
 PROMPT = "Where is my parcel, order 7731?"  # never in a log line
 CHAT = "/v1/chat/completions"
 BAD_CONTENTS = [("empty string", ""), ("no parts", []),

@@ -4,7 +4,7 @@ lane or the tenant refuses with a 429 or a 503 at submit waits and is submitted 
 never failed; and a batch still open at the end of its 24 h completion window ends
 `expired`, its unfinished lines in the error file as `batch_expired`, as OpenAI's does.
 
-The API runs in-process on Redis database 26 and a SQLite file of its own, a chat worker's
+The API runs in-process on its own Redis database and a SQLite file of its own, a chat worker's
 heartbeat advertised and no worker consuming: a job a batch submits stays queued until the
 test ends it in the store, as a worker would. The driver (api/batch_driver.py's Driver) is
 stepped in this process one pass at a time, so each count is read between two passes; the
@@ -27,13 +27,14 @@ import api.batch_driver
 from api.batch_driver import Driver
 from api.deps import Deps
 from store.batches import Batches
+from tests.helpers import own_db
 from tests.stack.test_batch_isolation import Floor, floor_on, request
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate import keys
 from tidegate.records import JobStatus
 from tidegate_tools.procs import wait_until
 
-REDIS_DB = 32
+REDIS_DB = own_db(__name__, "32")
 CAP = 3  # TIDEGATE_BATCH_IN_FLIGHT here
 DAY = timedelta(hours=24)  # the batch's completion window, as OpenAI's "24h"
 

@@ -5,7 +5,7 @@ own jobs; the others run behind chat at the batch lane's priority, may hold only
 of the batch's slots, and are submitted only while chat's queue is empty (spare capacity),
 never into a backlog.
 
-The API runs in-process on Redis database 21 with a chat worker's heartbeat advertised and
+The API runs in-process on its own Redis database with a chat worker's heartbeat advertised and
 no worker consuming; the test plays a chat worker so busy that it serves nothing below
 chat's priority: it ends only the jobs at chat's priority, as they come. The batch still
 completes every line it can run that way, and the starved lines still hold no more than
@@ -27,12 +27,12 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from store import Store, upgrade
-from tests.helpers import running_driver
+from tests.helpers import own_db, running_driver
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate.settings import Settings
 from tidegate_tools.procs import wait_until
 
-REDIS_DB = 21
+REDIS_DB = own_db(__name__, "21")
 IN_FLIGHT = 10
 LINES = 30
 CHAT = "/v1/chat/completions"

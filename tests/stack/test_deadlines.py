@@ -4,20 +4,22 @@ it generates ends `expired` after the tokens it streamed, and its engine lets it
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Iterator
 
+import psutil
 from tidegate_client import Client
 
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats
+from tests.helpers import Stack, engine_stats, hold
 from tidegate.events import Event
 from tidegate.settings import get_settings
 from tidegate_tools.procs import wait_until
 
 PROMPT = "Your refund of"
-TRIES = 4
 
 
 def engine_counts(worker: str) -> tuple[int, int]:
@@ -48,10 +50,29 @@ def test_a_deadline_passed_in_the_queue_expires_before_generating(stack: Stack) 
     assert engine_counts(worker) == before  # neither aborted nor finished: never there
 
 
-def run_with_deadline(stack: Stack, deadline_s: float) -> tuple[list[Event], dict]:  # type: ignore[type-arg]
-    with Client(stack.base_url, stack.api_key) as client:
-        job = client.submit("finance", prompt=PROMPT, max_tokens=1800, deadline_s=deadline_s)
-        return list(client.stream(job["job_id"])), client.job(job["job_id"])
+HELD_AFTER = 30  # tokens the job streams before its worker holds it
+DEADLINE_S = 10.0  # ample for the first tokens, however loaded the machine
+
+
+def engine_processes(stack: Stack, worker: str) -> list[psutil.Process]:
+    """The worker's vLLM engine core and what it spawned (the worker's own threads not)."""
+    proc = next(p for p in stack.procs if p.name == f"worker:{worker}")
+    cores = [c for c in psutil.Process(proc.popen.pid).children(recursive=True)
+             if c.name().startswith("VLLM::")]
+    assert cores, f"no vLLM engine process under worker {worker}"
+    return [q for core in cores for q in (core, *core.children(recursive=True))]
+
+
+@contextlib.contextmanager
+def frozen(procs: list[psutil.Process]) -> Iterator[None]:
+    for proc in procs:
+        proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()
 
 
 def streamed(events: list[Event]) -> int:
@@ -60,26 +81,35 @@ def streamed(events: list[Event]) -> int:
 
 def test_a_deadline_passing_during_generation_expires_after_the_streamed_tokens(
         stack: Stack) -> None:
-    """The finance worker makes 1,800 tokens in one to a few seconds, depending on the
-    machine's load: a deadline that let the job finish is halved and one that passed
-    before the first token doubled, until one passes mid-generation (at most TRIES)."""
-    worker, deadline_s = stack.workers["finance"], 0.5
-    for _ in range(TRIES):
-        aborted, _ = engine_counts(worker)
-        events, row = run_with_deadline(stack, deadline_s)
-        if row["status"] == "done":
-            deadline_s /= 2
-        elif streamed(events) == 0:
-            deadline_s *= 2
-        else:
-            break
-    assert 0 < streamed(events) < 1800, f"no deadline passed mid-generation in {TRIES} tries"
+    """Mid-generation by construction, whatever the engine's speed: the worker holds the job
+    after its first tokens (workers/faults.py TokenHold), its engine is frozen (SIGSTOP)
+    so the 1,800 tokens cannot all be made, and both are let go once the deadline has
+    passed: the worker's own timer ended the request meanwhile."""
+    worker = stack.workers["finance"]
+    aborted, _ = engine_counts(worker)
+    hold([worker], HELD_AFTER, stack.broker_url)
+    try:
+        with Client(stack.base_url, stack.api_key) as client:
+            job_id = client.submit("finance", prompt=PROMPT, max_tokens=1800,
+                                   deadline_s=DEADLINE_S)["job_id"]
+            due = time.time() + DEADLINE_S
+            wait_until(lambda: engine_stats(worker)["held"] == job_id, DEADLINE_S,
+                       f"the worker to hold job {job_id} before its deadline", poll_s=0.05)
+            with frozen(engine_processes(stack, worker)):
+                wait_until(lambda: time.time() > due + 1, DEADLINE_S + 2,
+                           "the job's deadline to pass")
+            hold([worker], 0, stack.broker_url)
+            events = list(client.stream(job_id))
+            row = client.job(job_id)
+    finally:
+        hold([worker], 0, stack.broker_url)
+    assert HELD_AFTER <= streamed(events) < 1800
     assert [e.seq for e in events] == list(range(len(events)))
     assert events[-1].kind == "error" and events[-1].data["code"] == "deadline_exceeded"
     assert row["status"] == "expired"
     assert row["completion_tokens"] == streamed(events)
     assert row["output_text"] == "".join(e.text for e in events if e.kind == "token")
     # The engine aborted the request and holds nothing of it.
-    wait_until(lambda: engine_stats(worker)["unfinished"] == 0, 10,
+    wait_until(lambda: engine_stats(worker)["unfinished"] == 0, 30,
                "the engine to let the expired request go")
     assert engine_counts(worker)[0] == aborted + 1

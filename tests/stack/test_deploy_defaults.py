@@ -34,7 +34,7 @@ import redis
 import yaml
 
 from store import Store, upgrade
-from tests.helpers import advertise, answers
+from tests.helpers import advertise, answers, own_db
 from tidegate import keys
 from tidegate_tools.procs import (
     Proc,
@@ -77,7 +77,7 @@ def tokenizer_only(model_path: Path, tmp_root: Path) -> Path:
 
 def test_an_api_with_only_the_tokenizer_files_is_ready_and_counts_tokens(
         redis_server: str, tokenizer_only: Path, tmp_root: Path) -> None:
-    url, ns = own_redis(redis_server, 14), "tgtokenizer"
+    url, ns = own_redis(redis_server, own_db(__name__, "14")), "tgtokenizer"
     db = own_database(tmp_root, "tokenizer-only")
     env = {**os.environ, "TIDEGATE_REDIS_URL": url, "TIDEGATE_NAMESPACE": ns,
            "TIDEGATE_DATABASE_URL": db,
@@ -136,7 +136,7 @@ def test_flower_binds_the_address_its_setting_names(redis_server: str, tmp_root:
 def beat_env(redis_server: str, tmp_root: Path) -> Iterator[dict[str, str]]:
     data_dir = tmp_root / "beat-data"
     data_dir.mkdir(exist_ok=True)
-    url = own_redis(redis_server, 15)
+    url = own_redis(redis_server, own_db(__name__, "15"))
     yield {**os.environ, "TIDEGATE_REDIS_URL": url, "TIDEGATE_NAMESPACE": "tgbeat",
            "TIDEGATE_DATA_DIR": str(data_dir),
            "TIDEGATE_DATABASE_URL": own_database(tmp_root, "beat"),

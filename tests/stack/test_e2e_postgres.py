@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from store import Store, upgrade
-from tests.helpers import Stack, make_tenant, postgres_or_skip
+from tests.helpers import Stack, make_tenant, own_redis_url, postgres_or_skip
 from tests.stack import test_e2e as e2e
 from tests.stack import test_sdk as sdk
 from tidegate_tools.pg import private_database
@@ -32,7 +32,7 @@ def pg_stack(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[St
     postgres_or_skip()
     # Pool queue names are not namespaced: another Redis DB keeps the session stack's
     # workers off these jobs (and its control commands off these workers).
-    redis_url = redis_server.rsplit("/", 1)[0] + "/2"
+    redis_url = own_redis_url(redis_server, __name__, "2")
     with private_database("tidegate_e2e") as url:
         upgrade(url)
         store = Store(url)

@@ -85,9 +85,20 @@ def _engine_params() -> list[Any]:
 SIM_PROFILE = "fast"
 
 
+# The test LoRA adapter (tidegate_tools/testlora.py), served by the adapters that take
+# adapters (vLLM, sim); TensorRT-LLM serves none (the router sends LoRA jobs to vLLM).
+ADAPTER = "refunds-tuned"
+
+
 def make_engine(kind: str, model: Path) -> Engine:
+    from tidegate_tools.testlora import build_test_lora
+
+    adapters: tuple[tuple[str, str], ...] = ()
+    if kind != "trtllm":
+        adapters = ((ADAPTER, str(build_test_lora(model, model.parent / "tidegate-test-lora"))),)
     config = EngineConfig(model=str(model), dtype="float16", kv_cache_dtype=KV_CACHE_DTYPE,
-                          max_model_len=MAX_MODEL_LEN, slots=16, kv_cache_gib=1)
+                          max_model_len=MAX_MODEL_LEN, slots=16, kv_cache_gib=1,
+                          lora_adapters=adapters)
     if kind == "sim":
         from workers.sim_engine import SimEngine
 
@@ -397,3 +408,50 @@ def test_a_cache_salt_shares_prefix_blocks_only_with_its_own_salt(host: EngineHo
     assert hits_of("tenant-b") < 32, "another tenant's salt reused tenant-a's blocks"
     assert hits_of(None) < 32, "an unsalted request reused tenant-a's blocks"
     assert hits_of("tenant-a") >= 4 * 32, "the same salt did not reuse its own prefix"
+
+
+def serves_loras(host: EngineHost) -> bool:
+    return bool(host.engine.config.lora_adapters)
+
+
+def test_a_lora_request_runs_its_adapter_and_a_plain_one_the_base(host: EngineHost) -> None:
+    """The adapter changes the greedy output (the test adapter's weights are made to), the
+    same request gives the same output again, and the base's output is untouched by it."""
+    prompt = "Please check the status of my refund"
+    if not serves_loras(host):
+        with pytest.raises(EngineError, match="LoRA"):
+            greedy(host, prompt, 8, lora=ADAPTER)
+        return
+    base = tokens(greedy(host, prompt, 16))
+    tuned = greedy(host, prompt, 16, lora=ADAPTER)
+    assert tuned[-1].finished and len(tokens(tuned)) == 16
+    assert tokens(tuned) != base, "the adapter changed nothing"
+    assert tokens(greedy(host, prompt, 16, lora=ADAPTER)) == tokens(tuned)
+    assert tokens(greedy(host, prompt, 16)) == base
+
+
+def test_lora_and_base_requests_batched_together_keep_their_own_outputs(
+        host: EngineHost) -> None:
+    """One batch mixing the adapter's requests and the base's: each output is what it is
+    alone (no adapter leaks into a base row, nor the base into an adapter's)."""
+    if not serves_loras(host):
+        pytest.skip("this engine serves no LoRA adapters (its refusal is tested above)")
+    prompts = [f"Where is the refund for order {n}?" for n in range(4)]
+    alone = {(p, lora): tokens(greedy(host, p, 12, lora=lora))
+             for p in prompts for lora in (None, ADAPTER)}
+    results: dict[tuple[str, str | None], list[int]] = {}
+
+    def run(p: str, lora: str | None) -> None:
+        results[(p, lora)] = tokens(greedy(host, p, 12, lora=lora))
+
+    threads = [threading.Thread(target=run, args=key) for key in alone]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REQUEST_TIMEOUT_S)
+    assert results == alone
+
+
+def test_an_unknown_lora_is_refused(host: EngineHost) -> None:
+    with pytest.raises(EngineError, match="not-an-adapter"):
+        greedy(host, "Where is my parcel?", 4, lora="not-an-adapter")

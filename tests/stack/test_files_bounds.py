@@ -3,7 +3,7 @@ limit on the bytes read (a real chunked upload to a real server), a batch line l
 its limit is refused naming its line, each tenant's files, bytes and open batches have
 quotas, a file is deleted, a file is served a part at a time, and a NUL or a control
 character in a file id or a filename is a 4xx, never a 500 (on PostgreSQL, which refuses
-NUL in text). The API runs in a thread of the test process on Redis database 8."""
+NUL in text). The API runs in a thread of the test process on its own Redis database."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from fastapi.testclient import TestClient
 
 from store import Store, upgrade
 from store.batches import Batches
-from tests.helpers import ApiOfItsOwn, api_of_its_own, postgres_or_skip
+from tests.helpers import ApiOfItsOwn, api_of_its_own, own_db, own_redis_url, postgres_or_skip
 from tidegate_tools.pg import private_database
 
 MIB = 1024 * 1024
@@ -36,7 +36,8 @@ WIDE = json.dumps({"custom_id": "w", "pad": "x" * (2000 - 30)})
 
 @pytest.fixture(scope="module")
 def api(redis_server: str, tmp_root: Path) -> Iterator[ApiOfItsOwn]:
-    with api_of_its_own(redis_server, tmp_root, "filesbounds", 8, [("chat", "vllm")],
+    with api_of_its_own(redis_server, tmp_root, "filesbounds", own_db(__name__, "8"),
+                        [("chat", "vllm")],
                         batch_max_file_bytes=FILE_LIMIT, batch_max_line_bytes=LINE_LIMIT,
                         tenant_max_files=3, tenant_max_file_bytes=16 * MIB,
                         tenant_max_open_batches=1) as running:
@@ -130,7 +131,8 @@ def test_uploads_refused_at_the_limit_spend_the_tenants_upload_budget(
     """A tenant that keeps sending uploads past the file limit pays for what the API read
     of them: once its bytes a minute are spent, its next upload is a 429 before its body is
     read, while another tenant uploads as before."""
-    with api_of_its_own(redis_server, tmp_root, "uploadbudget", 15, [("chat", "vllm")],
+    with api_of_its_own(redis_server, tmp_root, "uploadbudget", own_db(__name__, "15"),
+                        [("chat", "vllm")],
                         batch_max_file_bytes=FILE_LIMIT,
                         tenant_upload_bytes_per_minute=8 * MIB) as own:
         hostile, other = tenant(own, "uploads-a-lot"), tenant(own, "uploads-once")
@@ -276,7 +278,7 @@ def pg_api(redis_server: str) -> Iterator[tuple[TestClient, str]]:
         upgrade(url)
         store = Store(url)
         _, key = store.create_tenant("files-pg", ["chat", "batch"])
-        redis_url = redis_server.rsplit("/", 1)[0] + "/39"
+        redis_url = own_redis_url(redis_server, __name__, "39")
         settings = Settings(redis_url=redis_url, database_url=url, namespace="tgfilespg")
         try:
             with TestClient(create_app(settings)) as http:

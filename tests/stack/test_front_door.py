@@ -4,7 +4,7 @@ read; a revoked key ends at once, its open streams too; /readyz names no path; a
 cannot forge a log line.
 
 Each API runs in this process (tests/helpers.py `api_of_its_own`: real HTTP on a port of
-its own) on Redis database 9 and a SQLite database of its own, with a chat worker only
+its own) on its own Redis database and a SQLite database of its own, with a chat worker only
 advertised, so accepted jobs stay queued. Floods and uploads are real: a process of
 threads sending unknown keys, chunked bodies from generators that count what was pulled.
 """
@@ -35,12 +35,12 @@ from api import auth
 from api.app import create_app
 from api.errors import ApiError
 from store.tenants import Tenants
-from tests.helpers import ApiOfItsOwn, api_of_its_own, metric
+from tests.helpers import ApiOfItsOwn, api_of_its_own, metric, own_db
 from tidegate.logs import ContextFilter, TextFormatter
 from tidegate.settings import Settings
 from tidegate_tools.procs import Proc, free_port, wait_until
 
-DB = 9
+DB = own_db(__name__, "9")
 ASK = [{"role": "user", "content": "Where is my parcel?"}]
 JOB = {"lane": "chat", "messages": ASK, "max_tokens": 8}
 CHUNK = b" " * (64 * 1024)  # JSON whitespace: a body that is valid until it is too long

@@ -14,7 +14,7 @@ schemathesis' engine: its pytest loader for a schema known only once a fixture h
 (`from_fixture`) fails on pytest 9.2. The tenant's key signs the tenant routes and an
 admin key the admin routes (the schema's two security schemes).
 
-The API runs in this process on Redis database 11 and a SQLite file of its own, and one
+The API runs in this process on its own Redis database and a SQLite file of its own, and one
 real worker (vLLM on CPU, the test checkpoint) serves the fuzzing tenant's lanes (chat, and
 batch on chat's workers), so every accepted job, completion and event stream ends, and a
 non-streaming completion never waits on a job nobody runs. The lanes are the tests' own
@@ -46,12 +46,12 @@ from schemathesis.engine.recorder import ScenarioRecorder
 from api.app import create_app
 from api.openai_routes import is_openai_path
 from store.tenants import Tenants
-from tests.helpers import api_of_its_own
+from tests.helpers import api_of_its_own, own_db
 from tidegate.settings import Settings
 from tidegate_tools.procs import start_worker, wait_until
 from tidegate_tools.stack import api_ready
 
-REDIS_DB = 11
+REDIS_DB = own_db(__name__, "11")
 LANES = ["chat", "batch"]  # both served by the one chat worker (batch runs on chat's)
 WORKER = "chat-fuzz@test"
 LANES_TOML = """
@@ -198,7 +198,7 @@ INPUT_FILE = "".join(
 
 @pytest.fixture(scope="module")
 def fuzzed(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Fuzzed]:
-    """The API in this process and a vLLM worker serving its lanes, on Redis DB 11; a
+    """The API in this process and a vLLM worker serving its lanes, on its own Redis database; a
     tenant (a name no fuzzed case will guess) and an admin key."""
     lanes = tmp_root / "fuzz-lanes.toml"
     lanes.write_text(LANES_TOML)

@@ -1,6 +1,6 @@
 """GET /v1/jobs: a tenant's jobs in acceptance order, filtered, page after page; another
 tenant's never; a bad parameter a 422 naming it. The API runs in-process on its own Redis
-DB (4) and SQLite database; jobs are rows in the store, one of them submitted through the
+database and SQLite database; jobs are rows in the store, one of them submitted through the
 API."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from tidegate_client import Client
 
 from store import Store
-from tests.helpers import in_process_api
+from tests.helpers import in_process_api, own_db
 from tests.stack.test_api_validation import advertise_worker
 
 Listing = tuple[TestClient, Store, int, str]
@@ -25,7 +25,7 @@ Listing = tuple[TestClient, Store, int, str]
 
 @pytest.fixture(scope="module")
 def listing(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Listing]:
-    with in_process_api(redis_server, tmp_root / "listing.db", 4, "listing",
+    with in_process_api(redis_server, tmp_root / "listing.db", own_db(__name__, "4"), "listing",
                         ["chat", "finance"]) as api:
         advertise_worker(api.redis, api.settings)
         yield api.http, api.store, api.tenant_id, api.key

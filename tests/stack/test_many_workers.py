@@ -4,7 +4,7 @@ index, or the next free one), announces it in its heartbeat and `tidegate status
 serves jobs and exports its metrics there; a port taken by another process stops nothing.
 
 Four `sim` workers (many-worker runs are what the sim engine is for), and two vLLM workers
-on CPU: the engine path. Their own Redis database (17) and namespace."""
+on CPU: the engine path. Their own Redis database and namespace."""
 
 from __future__ import annotations
 
@@ -20,14 +20,14 @@ import pytest
 import redis
 
 from store import Store
-from tests.helpers import make_tenant, metric
+from tests.helpers import make_tenant, metric, own_db
 from tidegate.fleet import read_fleet
 from tidegate.records import Heartbeat, WorkerState
 from tidegate.settings import Settings
 from tidegate_tools.procs import Proc, free_port, start_api, tidegate_argv, wait_until
 from tidegate_tools.stack import api_ready
 
-REDIS_DB = 17
+REDIS_DB = own_db(__name__, "17")
 NAMESPACE = "tgmany"
 BASE_PORT = Settings.model_fields["worker_metrics_port"].default  # 9400: no flag, no setting
 SIM_START_S = 300.0  # four worker processes starting at once on a shared 2-core machine
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.timeout(VLLM_START_S + 300)
 
 @pytest.fixture
 def env(redis_server: str, migrated_db: str) -> Iterator[dict[str, str]]:
-    """The stack's environment on Redis database 17, emptied after, with the worker
+    """The stack's environment on a Redis database of its own, emptied after, with the worker
     metrics port left to its default (the session turns it off: tests/conftest.py)."""
     url = redis_server.rsplit("/", 1)[0] + f"/{REDIS_DB}"
     environ = {k: v for k, v in os.environ.items() if k != "TIDEGATE_WORKER_METRICS_PORT"}

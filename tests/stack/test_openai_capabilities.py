@@ -1,6 +1,6 @@
 """Engine capabilities, with the official `openai` SDK, against a lane that only a `sim`
 worker serves: a real `tidegate worker --engine sim` process (its heartbeat says what its
-engine can do), the API in this process on Redis DB 19 and a SQLite database of its own.
+engine can do), the API in this process on its own Redis database and a SQLite database of its own.
 What the sim engine lacks is refused at admission, a 400 naming the field, with no row
 and no message (the worker never sees the job); what it has (stop strings) works; and a
 lane with `strict_fields` refuses unknown fields where other lanes ignore them.
@@ -20,12 +20,12 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import api_of_its_own, metric
+from tests.helpers import api_of_its_own, metric, own_db
 from tidegate.fleet import read_heartbeat
 from tidegate_tools.procs import Proc, start_worker, wait_until
 from tidegate_tools.stack import api_ready
 
-REDIS_DB = 19
+REDIS_DB = own_db(__name__, "19")
 WORKER = "chat-sim@simcap"
 MODEL = "tidegate-test"
 USER = [{"role": "user", "content": "Where is my parcel?"}]

@@ -5,7 +5,7 @@ job; logprobs; penalties, logit_bias and vLLM's extras reaching the engine; unkn
 ignored with a header; a cancelled job answered as an error; a default max_tokens that
 cuts said in the usage and a header.
 
-The stack is this module's own (the API in this process on Redis DB 40, one vLLM worker):
+The stack is this module's own (the API in this process on its own Redis database, one vLLM worker):
 one engine loads faster than the session stack's two on a shared machine, and its lanes
 are shaped for these cases (`chat`'s default cut is short; `long` runs on chat's worker
 with room to cancel a long answer)."""
@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from store import Store
-from tests.helpers import api_of_its_own, end_tokens_banned, engine_stats, hold
+from tests.helpers import api_of_its_own, end_tokens_banned, engine_stats, hold, own_db
 from tidegate_tools.procs import Proc, start_worker, wait_until
 from tidegate_tools.stack import api_ready
 
@@ -33,7 +33,7 @@ from tidegate_tools.stack import api_ready
 pytestmark = pytest.mark.timeout(900)
 
 MODEL = "tidegate-test"
-REDIS_DB = 40
+REDIS_DB = own_db(__name__, "40")
 WORKER = "chat-sampling@tidegate"
 LANES = """
 [lanes.chat]

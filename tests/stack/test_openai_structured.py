@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 
 from api.app import create_app
 from store import Store, upgrade
-from tests.helpers import Stack, make_tenant
+from tests.helpers import Stack, make_tenant, own_redis_url
 from tests.stack.test_api_validation import nothing_enqueued
 from tidegate import keys
 from tidegate.settings import Settings
@@ -147,7 +147,7 @@ def advertise_sim_worker(client: redis.Redis, settings: Settings) -> None:
 def sim_api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[SimApi]:
     url = f"sqlite:///{tmp_root / 'openai-structured-sim.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/20"
+    redis_url = own_redis_url(redis_server, __name__, "20")
     settings = Settings(redis_url=redis_url, database_url=url)
     store = Store(url)
     _, api_key = store.create_tenant("openai-structured-sim", ["chat", "finance"])

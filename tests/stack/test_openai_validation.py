@@ -24,6 +24,7 @@ from fastapi.testclient import TestClient
 
 from api.app import create_app
 from store import Store, upgrade
+from tests.helpers import own_redis_url
 from tests.stack.test_api_validation import advertise_worker, nothing_enqueued
 from tidegate import keys
 from tidegate.settings import Settings
@@ -48,7 +49,7 @@ class Api:
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     url = f"sqlite:///{tmp_root / 'openai-validation.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/36"
+    redis_url = own_redis_url(redis_server, __name__, "36")
     settings = Settings(redis_url=redis_url, database_url=url, batch_max_lines=3)
     store = Store(url)
     _, key = store.create_tenant("openai-validation", ["chat", "batch"])
@@ -174,7 +175,7 @@ def test_a_batch_goes_on_after_its_api_and_driver_processes_are_killed(
     driver finish the batch and write its output file, no line submitted twice."""
     url = f"sqlite:///{tmp_root / 'openai-restart.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/37"
+    redis_url = own_redis_url(redis_server, __name__, "37")
     settings = Settings(redis_url=redis_url, database_url=url)
     env = {**os.environ, "TIDEGATE_REDIS_URL": redis_url, "TIDEGATE_DATABASE_URL": url,
            "TIDEGATE_BATCH_POLL_S": "0.05", "TIDEGATE_BATCH_DRIVER_LOCK_S": "2"}

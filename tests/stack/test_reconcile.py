@@ -40,7 +40,8 @@ from tidegate_client import Client
 from tasks.app import celery_app, make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
 from tests.conftest import REDIS_PORT
-from tests.helpers import Stack, engine_stats, hold, reconciling_scheduler
+from tests.helpers import Stack, engine_stats, hold, job_spans, reconciling_scheduler
+from tests.otlp import OtlpReceiver
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
@@ -332,9 +333,10 @@ def stack_serves(stack: Stack) -> bool:
 
 
 def test_jobs_queued_when_redis_restarts_empty_all_end_done(
-        stack: Stack, scheduler: Proc, redis_procs: list[Proc], tmp_root: Path) -> None:
+        stack: Stack, scheduler: Proc, redis_procs: list[Proc], tmp_root: Path,
+        traces: OtlpReceiver) -> None:
     """Finding 2: Redis restarted without its data forgets every queued message; the
-    store still has the jobs, and the reconciler sends them again."""
+    store still has the jobs, and the reconciler sends them again, each in its trace."""
     jobs = [("chat", 3), ("finance", 3)]
     try:
         with paused(stack):
@@ -362,6 +364,12 @@ def test_jobs_queued_when_redis_restarts_empty_all_end_done(
         resent = [job_id for job_id in ids if (row := stack.store.get_job(job_id)) and
                   (row.route_reason or "").startswith("sent again by the reconciler")]
         assert len(resent) >= len(ids) - len(stack.workers)
+        # A resent job's worker span is in the trace its submit began (the stored payload
+        # keeps the trace context), not in a new one.
+        for job_id in resent:
+            row = stack.store.get_job(job_id)
+            assert row is not None and row.trace_id is not None
+            assert [s.trace_id for s in job_spans(traces, job_id)] == [row.trace_id]
     finally:
         wait_until(lambda: stack_serves(stack), 120, "the session's stack to serve again",
                    [redis_procs[-1], *worker_procs(stack)])

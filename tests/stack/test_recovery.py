@@ -29,7 +29,8 @@ from tidegate_client import Client
 
 from tasks.app import celery_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats, hold, metric, worker_scrape
+from tests.helpers import Stack, engine_stats, hold, job_spans, metric, worker_scrape
+from tests.otlp import OtlpReceiver
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
@@ -40,13 +41,20 @@ from tidegate_tools.procs import Proc, start_worker, wait_until
 LANE, QUEUE = "recovery", "recovery.vllm"
 PROMPT = "Please tell me where my parcel is and when the refund arrives"
 MAX_TOKENS = 1800  # the lane's longest: seconds of generation to catch a job in
+MAX_ATTEMPTS = 2  # the module's workers' (TIDEGATE_MAX_ATTEMPTS): two real deaths make poison
 pytestmark = pytest.mark.timeout(600)
 
 
 @dataclass
 class Pair:
     key: str  # an API key of a tenant allowed the lane
+    traces: OtlpReceiver  # where the workers send their spans (the session stack's too)
     procs: dict[str, Proc] = field(default_factory=dict)  # worker name -> process
+
+    def start(self, name: str, tmp_root: Path, cpus: str) -> None:
+        env = {**os.environ, "TIDEGATE_MAX_ATTEMPTS": str(MAX_ATTEMPTS),
+               "TIDEGATE_OTLP_ENDPOINT": self.traces.url, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+        self.procs[name] = start_worker(env, LANE, name, tmp_root / "logs", cpus=cpus)
 
     def kill(self, name: str) -> None:
         """SIGKILL to the worker's process group: supervisor, worker, engine core."""
@@ -74,13 +82,12 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(stack: Stack, tmp_root: Path) -> Iterator[Pair]:
+def pair(stack: Stack, tmp_root: Path, traces: OtlpReceiver) -> Iterator[Pair]:
     _, key = stack.store.create_tenant("recovery-tenant", [LANE])
-    p = Pair(key)
+    p = Pair(key, traces)
     try:
         for core, name in enumerate(("recover-a@tidegate", "recover-b@tidegate")):
-            p.procs[name] = start_worker(dict(os.environ), LANE, name, tmp_root / "logs",
-                                         cpus=str(core))
+            p.start(name, tmp_root, str(core))
         wait_until(lambda: all(_active(stack, n) for n in p.procs), 240,
                    "both recovery workers to be active", list(p.procs.values()), poll_s=0.5)
         yield p
@@ -247,7 +254,7 @@ def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
     tenant = stack.store.tenant_by_key(pair.key)
     assert tenant is not None
     stack.store.create_job(job_id, tenant.id, LANE, QUEUE, 5, None, {"max_tokens": 8}, 12)
-    for attempt in range(get_settings().max_attempts):  # each died with its worker
+    for attempt in range(MAX_ATTEMPTS):  # each died with its worker (faked: the row only)
         stack.store.claim_job(job_id, f"dead-{attempt}@gone", "vllm")
     payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
                               sampling=Sampling(max_tokens=8, temperature=0.0))
@@ -258,7 +265,7 @@ def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
     assert reader.events[-1].data["code"] == "poison"
     row = stack.store.get_job(job_id)
     assert row is not None and row.status == "error"
-    assert row.attempts == get_settings().max_attempts + 1
+    assert row.attempts == MAX_ATTEMPTS + 1
     # Whichever worker took it counted one poison job (and one taken-over attempt: the
     # attempt number is past the first); no sweep handed anything back.
     assert counted_since(stack, pair, list(pair.procs), before) == {
@@ -299,6 +306,7 @@ def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
         survivor = next(n for n in pair.procs if n != victim)
         before = counters(stack, pair, [survivor])
         pair.kill(victim)
+        pair.procs.pop(victim).stop()  # gone for the module's later tests, pass or fail
     wait_until(reader.ended, 120, "the job to end after its worker was killed",
                [pair.procs[survivor]])
 
@@ -312,10 +320,66 @@ def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
     # survivor took the job over (one resumed job on its /metrics); no poison.
     assert counted_since(stack, pair, [survivor], before) == {
         "resumed": 1, "poison": 0, "restored": 1}
+    # One trace still: the survivor's attempt continues the submit's (the trace context
+    # travels in the message the sweep handed back), the dead attempt's span died with it.
+    assert row.trace_id is not None
+    spans = job_spans(pair.traces, job_id)
+    assert [(s.trace_id, s.attributes["tidegate.attempt"], s.attributes["tidegate.worker"])
+            for s in spans] == [(row.trace_id, 2, survivor)]
+    assert any(s.service == "tidegate-api" and s.trace_id == row.trace_id
+               for s in pair.traces.received())
     # The same request, uninterrupted, on the survivor: greedy, so the same tokens.
     uninterrupted = read_to_end(stack, pair.key, submit(stack, pair.key),
                                 [pair.procs[survivor]])
     assert reader.tokens() == uninterrupted.tokens()
     # The dead worker's lease is gone and nothing of the job waits in the lane queue.
     assert not stack.redis.exists(keys.job_lease(stack.namespace, job_id))
-    pair.procs.pop(victim).stop()
+
+
+def test_a_job_whose_workers_die_max_attempts_times_ends_poison(
+        stack: Stack, pair: Pair, tmp_root: Path) -> None:
+    """Real deaths, not claims written by hand: the job's worker is SIGKILLed mid-job,
+    the job resumes on another, whose worker is SIGKILLed mid-job too; the third taker
+    finds it taken up more than MAX_ATTEMPTS times and ends it poison, after the tokens
+    the two dead attempts streamed. Two more workers join the one this module has left."""
+    for core, name in enumerate(("recover-c@tidegate", "recover-d@tidegate")):
+        pair.start(name, tmp_root, str(core))
+    names = list(pair.procs)
+    wait_until(lambda: all(_active(stack, n) for n in names), 240,
+               "three recovery workers to be active", list(pair.procs.values()), poll_s=0.5)
+    poisoned = {n: counted(pair, n, POISON, lane=LANE, worker=n) for n in names}
+    hold(names, HELD_AFTER)  # each will hold the first job to pass 30 tokens on it
+    try:
+        job_id = submit(stack, pair.key)
+        reader = Reader(stack, pair.key, job_id)
+        reader.start()
+        for death in range(MAX_ATTEMPTS):
+            wait_until(lambda: holder(pair, job_id) is not None, 120,
+                       f"a worker to hold job {job_id} (death {death + 1})",
+                       list(pair.procs.values()), poll_s=0.05)
+            victim = holder(pair, job_id)
+            assert victim is not None and worker_of(stack, job_id) == victim
+            pair.kill(victim)
+            pair.procs.pop(victim).stop()
+        wait_until(reader.ended, 120, "the job to end poison", list(pair.procs.values()))
+    finally:
+        hold([n for n, proc in pair.procs.items() if proc.alive()], 0)
+    events = reader.events
+    assert [e.seq for e in events] == list(range(len(events))), "events missing or repeated"
+    assert [e.kind for e in events].count("started") == 1 and events[0].kind == "started"
+    assert events[-1].kind == "error" and events[-1].data["code"] == "poison"
+    assert len(reader.tokens()) >= HELD_AFTER  # what the dead attempts streamed stays
+    row = stack.store.get_job(job_id)
+    assert row is not None and row.status == "error"
+    assert row.attempts == MAX_ATTEMPTS + 1
+    assert row.completion_tokens == len(reader.tokens())
+    # The worker that took it up last counted it, once (the dead ones' counters died).
+    assert sum(counted(pair, n, POISON, lane=LANE, worker=n) - poisoned[n]
+               for n in pair.procs) == 1
+
+
+def holder(pair: Pair, job_id: str) -> str | None:
+    """The live worker holding `job_id` (workers/faults.py TokenHold), if any."""
+    return next((n for n, proc in pair.procs.items()
+                 if proc.alive() and engine_stats(n)["held"] == job_id), None)
+

@@ -3,7 +3,7 @@ here directly at a chosen moment (`now`), never by waiting. A batch's output fil
 the expiry its `output_expires_after` asked for and go after it; an uploaded file goes after
 its retention unless a batch not ended reads it; a job's output text goes after its
 retention while its row and usage stay; the beat runs the purge once per period. The API
-and the batch driver run in this process, on Redis database 8."""
+and the batch driver run in this process, on its own Redis database."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from scheduler.service import make_scheduler_app, purge_pass
 from store import Store, upgrade, utcnow
 from store.batches import Batches, FileQuota
 from store.models import File
-from tests.helpers import running_driver
+from tests.helpers import own_redis_url, running_driver
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate import keys
 from tidegate.settings import Settings
@@ -49,7 +49,7 @@ class Api:
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     url = f"sqlite:///{tmp_root / 'retention.db'}"
     upgrade(url)
-    redis_url = redis_server.rsplit("/", 1)[0] + "/8"
+    redis_url = own_redis_url(redis_server, __name__, "8")
     settings = Settings(redis_url=redis_url, database_url=url, namespace="tgretention",
                         batch_poll_s=0.05)
     store = Store(url)
@@ -155,7 +155,7 @@ def db(redis_server: str, tmp_root: Path) -> Iterator[Db]:
     upgrade(url)
     store = Store(url)
     tenant, _ = store.create_tenant("retention-store", ["chat", "batch"])
-    settings = Settings(redis_url=redis_server.rsplit("/", 1)[0] + "/8", database_url=url,
+    settings = Settings(redis_url=own_redis_url(redis_server, __name__, "8"), database_url=url,
                         namespace="tgretentionstore")
     try:
         yield Db(store, Batches(store), settings, tenant.id)

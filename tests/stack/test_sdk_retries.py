@@ -1,6 +1,6 @@
 """The SDK retries what the API refuses for now (429, 503) after the API's Retry-After,
 with the same idempotency key, so a retried submit makes one job. The API runs in-process
-on its own Redis DB (38) and SQLite database; no worker is advertised until the first
+on its own Redis database and SQLite database; no worker is advertised until the first
 refusal comes back."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tidegate_client import Client, TidegateError
 
 from api.deps import FLEET_CACHE_S
 from store import Store
-from tests.helpers import in_process_api
+from tests.helpers import in_process_api, own_db
 from tests.stack.test_api_validation import advertise_worker
 from tidegate.settings import Settings
 
@@ -26,7 +26,8 @@ Api = tuple[TestClient, Store, redis.Redis, Settings, str]
 
 @pytest.fixture(scope="module")
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
-    with in_process_api(redis_server, tmp_root / "sdk-retries.db", 38, "sdk-retries",
+    with in_process_api(redis_server, tmp_root / "sdk-retries.db", own_db(__name__, "38"),
+                        "sdk-retries",
                         ["chat"]) as app:
         yield app.http, app.store, app.redis, app.settings, app.key
 

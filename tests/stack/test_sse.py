@@ -26,7 +26,7 @@ import redis
 from tidegate_client import Client, StreamError
 
 from store import Store
-from tests.helpers import api_of_its_own
+from tests.helpers import api_of_its_own, own_db
 from tidegate import keys
 from tidegate.events import Event
 
@@ -59,7 +59,7 @@ class Api:
 
 @pytest.fixture(scope="module")
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
-    with api_of_its_own(redis_server, tmp_root, "sse", 13, [("chat", "vllm")],
+    with api_of_its_own(redis_server, tmp_root, "sse", own_db(__name__, "13"), [("chat", "vllm")],
                         **PERIODS) as own:
         _, key = own.store.create_tenant("sse", ["chat"])
         yield Api(own.base_url, key, own.store, own.redis, own.namespace)

@@ -38,13 +38,13 @@ from tidegate_client.models import Event
 
 from scheduler.beat import BEAT_LOCK_S
 from store import Store, upgrade
-from tests.helpers import api_of_its_own, missing_here
+from tests.helpers import api_of_its_own, missing_here, own_db
 from tests.stack.test_webhooks import Receiver, verified
 from tidegate import keys
 from tidegate_tools.procs import Proc, free_port, start_scheduler, tidegate_argv, wait_until
 from tidegate_tools.stack import WorkerSpec, running_stack
 
-HOOKS_DB = 34
+HOOKS_DB = own_db(__name__, "34")
 
 
 def own_redis(redis_server: str, db: int) -> str:
@@ -58,7 +58,7 @@ def stack_client(base_url: str, key: str) -> httpx.Client:
 
 # -- PostgreSQL restarts under the stack ------------------------------------------------
 
-PG_DB = 33
+PG_DB = own_db(__name__, "33")
 PG_NS = "tgpgfault"
 PG_WORKER = "finance-pgfault@tidegate"
 PG_TOKENS = 900  # ~45 s on the `paced` sim profile (48 ms a step): the job spans the outage
@@ -135,7 +135,7 @@ class PgStack:
 def pg_stack(postgres: PrivatePostgres, redis_server: str, model_path: Path,
              tmp_root: Path) -> Iterator[PgStack]:
     """The API, the batch driver and one sim-engine finance worker on the private server;
-    Redis database 26, so the session stack's workers never take these jobs."""
+    a Redis database of its own, so the session stack's workers never take these jobs."""
     upgrade(postgres.url)
     store = Store(postgres.url)
     _, key = store.create_tenant("pgfault-tenant", ["finance"])

@@ -1,7 +1,7 @@
 """The API's one XREAD over every waiting stream (api/streamhub.py), on the session's
 Redis: what a waiter gets, when its wait runs out, when it comes while the XREAD blocks,
 when it leaves, and when Redis fails or fails over (a Sentinel trio of its own). Each
-test runs its own hub on Redis DB 41, on keys of its own. A test that needs the hub's
+test runs its own hub on its own Redis database, on keys of its own. A test that needs the hub's
 XREAD blocking waits for it in Redis's CLIENT LIST, never for a guessed time."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from redis import asyncio as aioredis
 from redis.crc import key_slot
 
 from api.streamhub import StreamHub, TaggedStreamHub, stream_hub
-from tests.helpers import tool_or_skip
+from tests.helpers import own_db, tool_or_skip
 from tests.stack.test_sentinel import redis_trio
 from tidegate import keys, redisconn
 from tidegate_tools.procs import RedisClusterProcs, free_port, redis_cluster
 
-DB = 41
+DB = own_db(__name__, "41")
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from tests.helpers import next_frame
 from tests.stack.test_sentinel import LANE, PROMPT
 from tidegate.records import JobStatus
 from tidegate_tools.procs import Proc, free_port, start_redis, wait_until
-from tidegate_tools.stack import RunningStack, WorkerSpec, running_stack
+from tidegate_tools.stack import RunningStack, WorkerSpec, api_ready, running_stack
 
 WORKER = "chat-apart@tidegate"
 MAX_TOKENS = 256  # the chat lane's most: seconds of generation for the faults to land in
@@ -191,3 +191,54 @@ def test_the_sdk_gives_a_silent_api_up_and_resumes_after_its_last_event(
     job = apart.store.get_job(job_id)
     assert job is not None and job.status == JobStatus.DONE
     assert "".join(e.text for e in events if e.kind == "token") == job.output_text
+
+
+def test_the_broker_redis_down_refuses_submits_503_while_the_running_job_goes_on(
+        apart: ApartStack) -> None:
+    """The broker's redis-server SIGKILLed at a job's first token: a submit gets a 503
+    with Retry-After (nothing half-accepted), the running job's tokens keep coming (its
+    worker needs the broker for no token) and it ends done, every event once, all with the
+    broker down; with the broker back (empty: no persistence) the worker takes new jobs."""
+    broker = next(p for p in apart.running.procs if p.name.startswith("redis-server:"))
+    port = int(broker.name.split(":")[1])
+    job_id = submit(apart)
+    seen: list[dict[str, str]] = []
+    refused: httpx.Response | None = None
+    during = 0  # token frames that arrived with the broker down
+    for frame in frames(apart, job_id):
+        seen.append(frame)
+        if frame.get("event") != "token":
+            continue
+        if refused is None:  # the first token: the job runs, the broker goes
+            os.killpg(broker.popen.pid, signal.SIGKILL)
+            broker.stop()
+            apart.running.procs.remove(broker)
+            refused = post_job(apart)
+        else:
+            during += 1
+    apart.running.procs.insert(0, start_redis(port, apart.logs))  # back, empty; stops last
+    assert refused is not None and refused.status_code == 503, refused and refused.text
+    assert int(refused.headers["Retry-After"]) > 0
+    assert refused.json()["error"]["type"] == "unavailable", refused.text
+    assert "queue is unavailable" in refused.json()["error"]["message"]
+    assert during >= 1, "the job's tokens stopped with the broker"
+    assert [int(f["id"]) for f in seen] == list(range(len(seen))), "events missing or repeated"
+    assert seen[-1]["event"] == "done", f"the job ended {seen[-1]}"
+    job = apart.store.get_job(job_id)
+    assert job is not None and job.status == JobStatus.DONE
+    text = "".join(json.loads(f["data"])["text"] for f in seen if f.get("event") == "token")
+    assert text == job.output_text
+    assert all(proc.alive() for proc in apart.procs), "a process died with the broker"
+    # The broker back: once the worker's heartbeat is there again, a job goes through.
+    wait_until(lambda: api_ready(apart.running.base_url, [WORKER]), 120,
+               "the API to be ready with the worker's heartbeat back", apart.procs)
+    after = post_job(apart)
+    assert after.status_code == 202, after.text
+    wait_until(lambda: getattr(apart.store.get_job(after.json()["job_id"]), "status", None)
+               == JobStatus.DONE, 120, "a job submitted after the outage to end", apart.procs)
+
+
+def post_job(stack: ApartStack) -> httpx.Response:
+    with httpx.Client(base_url=stack.running.base_url, timeout=30) as http:
+        return http.post("/v1/jobs", json={"lane": LANE, "prompt": PROMPT, "max_tokens": 8},
+                         headers={"Authorization": f"Bearer {stack.key}"})

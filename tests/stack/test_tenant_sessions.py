@@ -4,7 +4,7 @@ same id is another session, never a 403 that tells it the id exists), and it ask
 priority above its highest (a tenant setting; unset, the lane's default), refused before
 anything is enqueued.
 
-The API runs in-process on Redis DB 10 and a SQLite database of its own, with a chat
+The API runs in-process on its own Redis database and a SQLite database of its own, with a chat
 worker's heartbeat advertised and no worker consuming: jobs stay queued, and the queues
 show exactly what was enqueued."""
 
@@ -23,7 +23,7 @@ from api.deps import lane_rank
 from store.tenants import Tenants
 from tasks.app import queue_lengths
 from tasks.payloads import GeneratePayload
-from tests.helpers import InProcessApi, advertise, in_process_api
+from tests.helpers import InProcessApi, advertise, in_process_api, own_db
 from tidegate import keys
 from tidegate_tools.procs import tidegate_argv
 
@@ -34,7 +34,8 @@ QUEUES = ["chat.vllm", "chat.trtllm", keys.direct_queue("tgtest", WORKER)]
 
 @pytest.fixture(scope="module")
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[InProcessApi]:
-    with in_process_api(redis_server, tmp_root / "tenant-sessions.db", 10, "sessions-acme",
+    with in_process_api(redis_server, tmp_root / "tenant-sessions.db", own_db(__name__, "10"),
+                        "sessions-acme",
                         ["chat"]) as running:
         advertise(running.redis, running.settings.namespace, WORKER, "chat", "vllm")
         yield running

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from tests.helpers import Stack, api_of_its_own
+from tests.helpers import Stack, api_of_its_own, own_db
 from tests.otlp import OtlpReceiver, ReceivedSpan
 from tidegate_tools.procs import wait_until
 
@@ -100,7 +100,8 @@ def test_a_submit_continues_the_callers_trace(stack: Stack, traces: OtlpReceiver
 
 def test_an_api_without_an_otlp_endpoint_writes_no_trace_id(redis_server: str,
                                                             tmp_root: Path) -> None:
-    with api_of_its_own(redis_server, tmp_root, "untraced", 14, [("chat", "vllm")]) as own:
+    with api_of_its_own(redis_server, tmp_root, "untraced", own_db(__name__, "14"),
+                        [("chat", "vllm")]) as own:
         _, key = own.store.create_tenant("untraced", ["chat"])
         headers = {"Authorization": f"Bearer {key}"}
         body = {"lane": "chat", "max_tokens": 4, "prompt": "Hello"}

@@ -1,5 +1,6 @@
 """Usage and budgets (issue 30): a stack of its own (the API, the batch driver and a chat
-worker hosting vLLM on CPU, on Redis DB 26, or 27 for PostgreSQL) runs jobs of two tenants
+worker hosting vLLM on CPU, on its own Redis database, or 27 for PostgreSQL) runs jobs of two
+tenants
 through the native route, the OpenAI chat route and the Batch API, and a job cancelled
 while it runs. The usage ledger, read back through GET /admin/v1/usage (JSON and CSV) and
 GET /v1/usage, equals the sum of the job rows' tokens and ends exactly; a spent monthly
@@ -28,7 +29,7 @@ import redis
 
 from store import Store, upgrade
 from store.tenants import Tenants
-from tests.helpers import Stack, postgres_or_skip
+from tests.helpers import Stack, own_db, postgres_or_skip
 from tidegate.ratelimit import TOKENS, RateLimits
 from tidegate_tools.pg import private_database
 from tidegate_tools.procs import wait_until
@@ -75,7 +76,7 @@ def _database(kind: str, tmp_root: Path) -> Any:
 def usage(request: pytest.FixtureRequest, redis_server: str, model_path: Path,
           tmp_root: Path) -> Iterator[UsageStack]:
     kind = request.param
-    db = 26 if kind == "sqlite" else 27
+    db = own_db(__name__, kind)
     redis_url = redis_server.rsplit("/", 1)[0] + f"/{db}"
     namespace = f"tgusage{db}"
     with _database(kind, tmp_root) as url:

@@ -1,7 +1,7 @@
 """The webhook sender as a hostile tenant would try it (issue 28, findings 2 and 3), with
 real parts: a `tidegate webhooks` process, HTTP receivers on 127.0.0.1 in threads of
 this process (the private-address allowance is set for the sender that calls them), an
-in-process API on Redis DB 7 and SQLite files of its own.
+in-process API on its own Redis database and SQLite files of its own.
 
 - Malformed callback URLs, non-canonical IPv4 literals and IPv4-in-IPv6 forms are 400s
   naming the field, on submit and on the admin PATCH, and nothing is enqueued.
@@ -43,7 +43,7 @@ from store.tenants import Tenants
 from store.webhooks import Webhooks
 from tasks.app import make_app
 from tasks.webhooks import CLAIM_PER_TENANT, Sender, Slots, dispatch
-from tests.helpers import ApiOfItsOwn, api_of_its_own
+from tests.helpers import ApiOfItsOwn, api_of_its_own, own_db
 from tests.stack.test_api_validation import QUEUES, waiting
 from tidegate import keys, sealing
 from tidegate.settings import Settings
@@ -163,7 +163,7 @@ class Hooks:
 
 
 def own_api(redis_server: str, tmp_root: Path, name: str, **settings: Any) -> Iterator[Hooks]:
-    with api_of_its_own(redis_server, tmp_root, name, 7, [("chat", "vllm")],
+    with api_of_its_own(redis_server, tmp_root, name, own_db(__name__, "7"), [("chat", "vllm")],
                         **settings) as own:
         admin_key = Tenants(own.store).create_admin_key("ops")
         record, key = own.store.create_tenant(f"{name}-tenant", ["chat"])
