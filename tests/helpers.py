@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import redis
 from celery import Celery
@@ -342,3 +343,24 @@ def job_spans(traces: OtlpReceiver, job_id: str) -> list[ReceivedSpan]:
                 and s.attributes.get("tidegate.job_id") == job_id]
     wait_until(lambda: bool(spans()), 30, f"the job span of job {job_id} at the OTLP receiver")
     return spans()
+
+
+def engine_processes(worker: Proc) -> list[psutil.Process]:
+    """A worker's vLLM engine core and the processes it spawned (not the worker's own)."""
+    cores = [c for c in psutil.Process(worker.popen.pid).children(recursive=True)
+             if c.name().startswith("VLLM::")]
+    assert cores, f"no vLLM engine process under {worker.name}"
+    return [q for core in cores for q in (core, *core.children(recursive=True))]
+
+
+@contextlib.contextmanager
+def frozen(procs: list[psutil.Process]) -> Iterator[None]:
+    """`procs` stopped (SIGSTOP) for the block, let go on (SIGCONT) whatever happens."""
+    for proc in procs:
+        proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()

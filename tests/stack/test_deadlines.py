@@ -4,17 +4,14 @@ it generates ends `expired` after the tokens it streamed, and its engine lets it
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import Iterator
 
-import psutil
 from tidegate_client import Client
 
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats, hold
+from tests.helpers import Stack, engine_processes, engine_stats, frozen, hold
 from tidegate.events import Event
 from tidegate.settings import get_settings
 from tidegate_tools.procs import wait_until
@@ -54,27 +51,6 @@ HELD_AFTER = 30  # tokens the job streams before its worker holds it
 DEADLINE_S = 10.0  # ample for the first tokens, however loaded the machine
 
 
-def engine_processes(stack: Stack, worker: str) -> list[psutil.Process]:
-    """The worker's vLLM engine core and what it spawned (the worker's own threads not)."""
-    proc = next(p for p in stack.procs if p.name == f"worker:{worker}")
-    cores = [c for c in psutil.Process(proc.popen.pid).children(recursive=True)
-             if c.name().startswith("VLLM::")]
-    assert cores, f"no vLLM engine process under worker {worker}"
-    return [q for core in cores for q in (core, *core.children(recursive=True))]
-
-
-@contextlib.contextmanager
-def frozen(procs: list[psutil.Process]) -> Iterator[None]:
-    for proc in procs:
-        proc.suspend()
-    try:
-        yield
-    finally:
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.resume()
-
-
 def streamed(events: list[Event]) -> int:
     return sum(len(e.token_ids) for e in events if e.kind == "token")
 
@@ -95,7 +71,8 @@ def test_a_deadline_passing_during_generation_expires_after_the_streamed_tokens(
             due = time.time() + DEADLINE_S
             wait_until(lambda: engine_stats(worker)["held"] == job_id, DEADLINE_S,
                        f"the worker to hold job {job_id} before its deadline", poll_s=0.05)
-            with frozen(engine_processes(stack, worker)):
+            with frozen(engine_processes(next(p for p in stack.procs
+                                                if p.name == f"worker:{worker}"))):
                 wait_until(lambda: time.time() > due + 1, DEADLINE_S + 2,
                            "the job's deadline to pass")
             hold([worker], 0, stack.broker_url)

@@ -29,7 +29,16 @@ from tidegate_client import Client
 
 from tasks.app import celery_app, queue_lengths, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_stats, hold, job_spans, metric, worker_scrape
+from tests.helpers import (
+    Stack,
+    engine_processes,
+    engine_stats,
+    frozen,
+    hold,
+    job_spans,
+    metric,
+    worker_scrape,
+)
 from tests.otlp import OtlpReceiver
 from tidegate import keys
 from tidegate.events import Event
@@ -62,23 +71,11 @@ class Pair:
 
     def engine(self, name: str) -> list[psutil.Process]:
         """The worker's vLLM engine core and the processes it spawned."""
-        root = psutil.Process(self.procs[name].popen.pid)
-        cores = [p for p in root.children(recursive=True) if p.name().startswith("VLLM::")]
-        assert cores, f"no vLLM engine process under worker {name}"
-        return [q for core in cores for q in (core, *core.children(recursive=True))]
+        return engine_processes(self.procs[name])
 
-    @contextlib.contextmanager
-    def frozen(self, name: str) -> Iterator[None]:
+    def frozen(self, name: str) -> contextlib.AbstractContextManager[None]:
         """The worker's engine stopped (SIGSTOP), its own threads and heartbeat running."""
-        engine = self.engine(name)
-        for proc in engine:
-            proc.suspend()
-        try:
-            yield
-        finally:
-            for proc in engine:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    proc.resume()
+        return frozen(self.engine(name))
 
 
 @pytest.fixture(scope="module")
