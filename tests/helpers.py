@@ -28,6 +28,7 @@ from tidegate import keys
 from tidegate.events import Event
 from tidegate_tools.pg import pg_admin
 from tidegate_tools.procs import Proc, free_port, wait_until
+from workers import faults
 
 
 @dataclass
@@ -105,11 +106,13 @@ def engine_stats(worker: str, broker_url: str | None = None) -> dict:
     return replies[0][worker]
 
 
-def hold(names: list[str], after_tokens: int, broker_url: str | None = None) -> None:
+def hold(names: list[str], after_tokens: int, broker_url: str | None = None,
+         freeze_engine: bool = False) -> None:
     """Arms (after_tokens > 0) or releases the workers' hold (workers/faults.py TokenHold):
-    the next job to stream that many tokens waits there, its engine request running on."""
-    celery_on(broker_url).control.broadcast("tidegate_hold",
-                                            arguments={"after_tokens": after_tokens},
+    the next job to stream that many tokens waits there, its engine request running on
+    (or, with `freeze_engine`, its engine stopped from then until the hold is let go)."""
+    arguments = {"after_tokens": after_tokens, "freeze_engine": freeze_engine}
+    celery_on(broker_url).control.broadcast("tidegate_hold", arguments=arguments,
                                             destination=names, reply=True, timeout=10)
 
 
@@ -347,20 +350,6 @@ def job_spans(traces: OtlpReceiver, job_id: str) -> list[ReceivedSpan]:
 
 def engine_processes(worker: Proc) -> list[psutil.Process]:
     """A worker's vLLM engine core and the processes it spawned (not the worker's own)."""
-    cores = [c for c in psutil.Process(worker.popen.pid).children(recursive=True)
-             if c.name().startswith("VLLM::")]
-    assert cores, f"no vLLM engine process under {worker.name}"
-    return [q for core in cores for q in (core, *core.children(recursive=True))]
-
-
-@contextlib.contextmanager
-def frozen(procs: list[psutil.Process]) -> Iterator[None]:
-    """`procs` stopped (SIGSTOP) for the block, let go on (SIGCONT) whatever happens."""
-    for proc in procs:
-        proc.suspend()
-    try:
-        yield
-    finally:
-        for proc in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.resume()
+    procs = faults.engine_processes(worker.popen.pid)
+    assert procs, f"no vLLM engine process under {worker.name}"
+    return procs

@@ -394,13 +394,16 @@ def tidegate_store_fault(state: Any, failures: int = 0, outage_s: float = 0.0) -
     return {"ok": True}
 
 
-@control_command(args=[("after_tokens", int)], signature="<after_tokens>")
-def tidegate_hold(state: Any, after_tokens: int = 0) -> dict[str, Any]:
+@control_command(args=[("after_tokens", int), ("freeze_engine", bool)],
+                 signature="<after_tokens> [freeze_engine]")
+def tidegate_hold(state: Any, after_tokens: int = 0,
+                  freeze_engine: bool = False) -> dict[str, Any]:
     """Fault injection: the next job to stream `after_tokens` tokens waits there until a
-    `tidegate_hold` with 0 lets it go (workers/faults.py `TokenHold`)."""
+    `tidegate_hold` with 0 lets it go, its engine stopped meanwhile if `freeze_engine`
+    (workers/faults.py `TokenHold`)."""
     hold = current().hold
     if after_tokens > 0:
-        hold.arm(after_tokens)
+        hold.arm(after_tokens, freeze_engine)
     else:
         hold.release()
     log.warning("fault injected: hold a job after %d tokens", after_tokens)

@@ -4,10 +4,14 @@ Unarmed, each costs an attribute test or two on its path."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import psutil
 from sqlalchemy import event
 
 from store import Store
@@ -57,19 +61,23 @@ class TokenHold:
     """The next job to stream `after_tokens` tokens waits there, before its next token is
     read from the engine, until released (or for MAX_HOLD_S): a fault is then applied to a
     job known to be mid-generation, however fast the engine and however loaded the host.
-    Its lease is renewed meanwhile, as for any running job; the engine runs on."""
+    Its lease is renewed meanwhile, as for any running job; the engine runs on, unless
+    armed with `freeze_engine`: the engine's processes are then stopped (SIGSTOP) from the
+    moment the job is held until it is let go, so a fast engine cannot finish the request
+    meanwhile (a deadline that passes during generation, tests/stack/test_deadlines.py)."""
 
     MAX_HOLD_S = 120.0
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._after = 0
+        self._freeze = False
         self._released = threading.Event()
         self.held: str | None = None  # the job held (or let go), since the last arming
 
-    def arm(self, after_tokens: int) -> None:
+    def arm(self, after_tokens: int, freeze_engine: bool = False) -> None:
         with self._lock:
-            self._after, self.held = after_tokens, None
+            self._after, self._freeze, self.held = after_tokens, freeze_engine, None
             self._released.clear()
 
     def release(self) -> None:
@@ -90,6 +98,29 @@ class TokenHold:
             if not self._after or self.held is not None:
                 return
             self.held = job_id
-        self._released.wait(self.MAX_HOLD_S)
+            freeze = self._freeze
+        with frozen(engine_processes(os.getpid()) if freeze else []):
+            self._released.wait(self.MAX_HOLD_S)
         with self._lock:
             self._after = 0  # one job per arming
+
+
+def engine_processes(pid: int) -> list[psutil.Process]:
+    """The vLLM engine core processes under process `pid` and what they spawned (none for
+    an engine that runs in that process, as the sim's and TensorRT-LLM's do)."""
+    cores = [c for c in psutil.Process(pid).children(recursive=True)
+             if c.name().startswith("VLLM::")]
+    return [q for core in cores for q in (core, *core.children(recursive=True))]
+
+
+@contextlib.contextmanager
+def frozen(procs: list[psutil.Process]) -> Iterator[None]:
+    """`procs` stopped (SIGSTOP) for the block, let go (SIGCONT) whatever happens."""
+    for proc in procs:
+        proc.suspend()
+    try:
+        yield
+    finally:
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.resume()

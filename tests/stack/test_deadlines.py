@@ -11,7 +11,7 @@ from tidegate_client import Client
 
 from tasks.app import make_app, send_generate
 from tasks.payloads import GeneratePayload, Sampling
-from tests.helpers import Stack, engine_processes, engine_stats, frozen, hold
+from tests.helpers import Stack, engine_stats, hold
 from tidegate.events import Event
 from tidegate.settings import get_settings
 from tidegate_tools.procs import wait_until
@@ -58,12 +58,12 @@ def streamed(events: list[Event]) -> int:
 def test_a_deadline_passing_during_generation_expires_after_the_streamed_tokens(
         stack: Stack) -> None:
     """Mid-generation by construction, whatever the engine's speed: the worker holds the job
-    after its first tokens (workers/faults.py TokenHold), its engine is frozen (SIGSTOP)
-    so the 1,800 tokens cannot all be made, and both are let go once the deadline has
-    passed: the worker's own timer ended the request meanwhile."""
+    after its first tokens and stops its engine (SIGSTOP) that moment (workers/faults.py
+    TokenHold, freeze_engine), so the 1,800 tokens cannot all be made; both are let go
+    once the deadline has passed: the worker's own timer ended the request meanwhile."""
     worker = stack.workers["finance"]
     aborted, _ = engine_counts(worker)
-    hold([worker], HELD_AFTER, stack.broker_url)
+    hold([worker], HELD_AFTER, stack.broker_url, freeze_engine=True)
     try:
         with Client(stack.base_url, stack.api_key) as client:
             job_id = client.submit("finance", prompt=PROMPT, max_tokens=1800,
@@ -71,10 +71,8 @@ def test_a_deadline_passing_during_generation_expires_after_the_streamed_tokens(
             due = time.time() + DEADLINE_S
             wait_until(lambda: engine_stats(worker)["held"] == job_id, DEADLINE_S,
                        f"the worker to hold job {job_id} before its deadline", poll_s=0.05)
-            with frozen(engine_processes(next(p for p in stack.procs
-                                                if p.name == f"worker:{worker}"))):
-                wait_until(lambda: time.time() > due + 1, DEADLINE_S + 2,
-                           "the job's deadline to pass")
+            wait_until(lambda: time.time() > due + 1, DEADLINE_S + 2,
+                       "the job's deadline to pass")
             hold([worker], 0, stack.broker_url)
             events = list(client.stream(job_id))
             row = client.job(job_id)

@@ -33,7 +33,6 @@ from tests.helpers import (
     Stack,
     engine_processes,
     engine_stats,
-    frozen,
     hold,
     job_spans,
     metric,
@@ -46,6 +45,7 @@ from tidegate.fleet import read_heartbeat
 from tidegate.records import WorkerState
 from tidegate.settings import get_settings
 from tidegate_tools.procs import Proc, start_worker, wait_until
+from workers.faults import frozen
 
 LANE, QUEUE = "recovery", "recovery.vllm"
 PROMPT = "Please tell me where my parcel is and when the refund arrives"
@@ -326,8 +326,11 @@ def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
     assert any(s.service == "tidegate-api" and s.trace_id == row.trace_id
                for s in pair.traces.received())
     # The same request, uninterrupted, on the survivor: greedy, so the same tokens.
-    uninterrupted = read_to_end(stack, pair.key, submit(stack, pair.key),
-                                [pair.procs[survivor]])
+    other_id = submit(stack, pair.key)
+    uninterrupted = read_to_end(stack, pair.key, other_id, [pair.procs[survivor]])
+    check_stream(uninterrupted.events)
+    other = stack.store.get_job(other_id)
+    assert other is not None and other.completion_tokens == len(uninterrupted.tokens())
     assert reader.tokens() == uninterrupted.tokens()
     # The dead worker's lease is gone and nothing of the job waits in the lane queue.
     assert not stack.redis.exists(keys.job_lease(stack.namespace, job_id))
