@@ -148,6 +148,7 @@ def make_engine(lane: str, kind: str) -> Engine:
         model=str(settings.model_path), dtype=profile.dtype,
         kv_cache_dtype=profile.kv_cache_dtype, max_model_len=settings.max_model_len,
         slots=settings.engine_slots, kv_cache_gib=settings.kv_cache_gib,
+        cpu_executor=settings.vllm_cpu_executor,
         quantization=profile.quantization, lora_adapters=settings.lora,
         kv_policy=settings.kv_policy, kv_params=profile.kv_policy,
         kv_cache_blocks=settings.kv_cache_blocks or None,

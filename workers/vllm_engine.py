@@ -158,7 +158,15 @@ class VllmEngine:
             **self._lora_args(),
             **_platform_args(cfg),
         )
-        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._recorder.factory])
+        vllm_config = args.create_engine_config()
+        if current_platform.is_cpu() and cfg.cpu_executor == "uni":
+            # vLLM's CPU build turns "uni" into "mp" (a model process under the engine core,
+            # spawned, importing vLLM again: 13-16 s of a worker's start here) for its
+            # OpenMP thread binding; the engine core binds its own threads as well (one per
+            # worker here). Set after the config is made: as vLLM runs one GPU.
+            vllm_config.parallel_config.distributed_executor_backend = "uni"
+        self._llm = AsyncLLM.from_vllm_config(vllm_config,
+                                              stat_loggers=[self._recorder.factory])
         vcfg = self._llm.vllm_config.cache_config
         self._capacity_tokens = int((vcfg.num_gpu_blocks or 0) * vcfg.block_size)
 
