@@ -97,6 +97,13 @@ class _Take:
     renewed_at: float = 0.0
     settled: bool = False  # its answer is applied
 
+    def sent(self) -> list[Delta]:
+        """The deltas as their event carried them: merged into one. An append whose reply
+        was lost (a timeout, a reset) may be in the stream: the task thread then publishes
+        this same event at the same seq, which Redis refuses as a duplicate. Handed back one
+        by one, the first would take that seq and the others new ones: their tokens twice."""
+        return [self.delta] if self.delta is not None else self.deltas
+
 
 def by_tag(items: list[T], key_of: Callable[[T], str]) -> list[list[T]]:
     """`items` in groups of one job tag each (tidegate/keys.py), in their order within each."""
@@ -191,7 +198,7 @@ class Streamer:
                 with self._lock:
                     for take in takes:
                         if not take.settled:
-                            self._hand_back(take.feed, take.deltas, take.ended, take.end)
+                            self._hand_back(take.feed, take.sent(), take.ended, take.end)
             finally:
                 with self._lock:
                     for take in takes:
@@ -303,7 +310,7 @@ class Streamer:
             return
         if feed.progress.head is not None or (
                 take.event is not None and not self._appended(answers[-1])):
-            self._hand_back(feed, take.deltas, take.ended, take.end)
+            self._hand_back(feed, take.sent(), take.ended, take.end)
             return
         if take.delta is not None:
             self._advance(take)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from tests.helpers import tool_or_skip
 from tidegate import keys, redisconn
 from tidegate.events import Event
 from tidegate_tools.procs import Proc, RedisClusterProcs, free_port, redis_cluster, start_redis
+from workers import runner
 from workers.engine import Delta
 from workers.host import Cancelled
 from workers.lease import Lease
@@ -255,3 +257,57 @@ def test_a_lapsed_lease_is_not_taken_back_once_another_attempt_ended_the_job(
     assert got[0][0] == SLOW and got[-1] == (END, None)  # handed back: LeaseLost there
     assert [e.kind for e in stream_of(client, "job-ended")] == ["started", "token", "done"]
     assert not client.exists(other.key)
+
+
+def test_a_batch_whose_reply_was_lost_hands_back_its_event_whole_so_no_token_goes_twice(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis appended the batch, then its reply was lost (a timeout): the job goes back to
+    its task thread with the tokens as that event carried them, which the task thread's
+    publishing (workers/runner.py `_on_delta`) appends at the same seq: refused as a
+    duplicate. The stream holds every token once, as the job's progress counts them."""
+    publisher = EventPublisher(client, NS, maxlen=10_000, ttl_s=60)
+    publisher.load_append()
+    s = Streamer(client, publisher, cancel_check_s=60)
+    feed = open_job(client, s, "job-lost-reply")
+    for i in range(3):  # before the streamer runs: one batch carries the three
+        feed.put(token(i))
+    lose_replies(client, monkeypatch, 1)
+    s.start()
+    try:
+        got = list(_until(feed, SLOW))
+        assert [kind for kind, _ in got] == [SLOW]
+        assert [e.seq for e in stream_of(client, "job-lost-reply")] == [0, 1]  # it was out
+        # The task thread's context: its store only takes the first token's time.
+        store = SimpleNamespace(mark_first_token=lambda *_: True)
+        task_thread = SimpleNamespace(retry=lambda f, *a: f(*a), publisher=publisher,
+                                      hold=None, store=store)
+        handed: list[Delta] = got[0][1]  # type: ignore[assignment]
+        for delta in handed:
+            runner._on_delta(task_thread, "job-lost-reply", feed.progress, delta)  # type: ignore[arg-type]
+    finally:
+        s.stop()
+    events = stream_of(client, "job-lost-reply")
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert [i for e in events for i in e.token_ids] == [0, 1, 2] == feed.progress.token_ids
+    assert feed.progress.seq == len(events)
+
+
+def lose_replies(client: Any, monkeypatch: pytest.MonkeyPatch, count: int) -> None:
+    """The client's next `count` pipelines run in Redis, then raise TimeoutError, as a
+    reply lost on its way back does."""
+    make = client.pipeline
+    left = [count]
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = make(*args, **kwargs)
+        execute = pipe.execute
+
+        def execute_then_lose(*eargs: Any, **ekwargs: Any) -> Any:
+            replies = execute(*eargs, **ekwargs)
+            if left[0] > 0:
+                left[0] -= 1
+                raise redis.TimeoutError("the reply was lost (injected)")
+            return replies
+        pipe.execute = execute_then_lose
+        return pipe
+    monkeypatch.setattr(client, "pipeline", pipeline)
