@@ -87,11 +87,14 @@ class Settings(BaseSettings):
         DEFAULT_LANES_FILE,
         description="The lanes file: each lane's queue, precision, engine pools, limits, workers "
         "and peaks, and the [service_tiers] table (the lane fields below).")
-    # Pub/sub channels ignore the Redis DB number: every key and channel gets this prefix.
+    # Pub/sub channels ignore the Redis DB number: tidegate's keys and channels get this prefix.
     namespace: str = Field(
         "tidegate",
-        description="Prefix of every Redis key, queue and channel (pub/sub channels ignore the "
-        "Redis database number, so two deployments on one Redis need two namespaces).")
+        description="Prefix of tidegate's own Redis keys and channels and of each worker's direct "
+        "queue. The lanes' queues are named by the lanes file and Celery's own keys have no "
+        "prefix: two deployments on one Redis need a database number each (the /N of "
+        "TIDEGATE_REDIS_URL) and a namespace each (pub/sub channels ignore the database "
+        "number).")
 
     api_host: str = Field(
         "127.0.0.1",
