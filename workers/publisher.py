@@ -164,8 +164,23 @@ class EventPublisher:
                 return None
             raise
         if answer == 0:
+            if self._holds(event):
+                return None  # a retry: this very event went out, its reply was lost
             raise LeaseLost(event.job_id)
         return int(answer)
+
+    def _holds(self, event: Event) -> bool:
+        """The stream has this very event at its seq. An attempt's last event releases its
+        lease in the same round trip (publish_last): when that reply is lost, the retry
+        finds no lease and the job's end in the stream, and must not take itself for a
+        replaced attempt (LeaseLost leaves the task unacked, to be delivered again)."""
+        entries: Any = self.r.xrange(keys.job_events(self.ns, event.job_id),
+                                     keys.stream_id(event.seq), keys.stream_id(event.seq))
+        if not entries:
+            return False
+        fields = entries[0][1]
+        raw = fields.get(b"e", fields.get("e"))
+        return (raw.encode() if isinstance(raw, str) else raw) == event.to_json().encode()
 
     @property
     def append_sha(self) -> str:

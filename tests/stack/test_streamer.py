@@ -20,7 +20,7 @@ from tidegate_tools.procs import Proc, RedisClusterProcs, free_port, redis_clust
 from workers import runner
 from workers.engine import Delta
 from workers.host import Cancelled
-from workers.lease import Lease
+from workers.lease import RELEASE, Lease, LeaseLost
 from workers.progress import Progress
 from workers.publisher import EventPublisher, StreamState
 from workers.streamer import CANCELLED, DELTA, END, FIRST, SLOW, Feed, Streamer
@@ -311,3 +311,29 @@ def lose_replies(client: Any, monkeypatch: pytest.MonkeyPatch, count: int) -> No
         pipe.execute = execute_then_lose
         return pipe
     monkeypatch.setattr(client, "pipeline", pipeline)
+
+
+def test_a_retried_last_event_whose_reply_was_lost_is_out_not_a_lost_lease(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attempt's last event releases its lease in the same round trip; Redis ran both and
+    the reply was lost. The retry (the task thread's ctx.retry) finds no lease and the
+    job's end in the stream: this very event, so it is out (a duplicate), not LeaseLost,
+    which would leave the finished job's task unacked, to be delivered again."""
+    publisher = EventPublisher(client, NS, maxlen=10_000, ttl_s=60)
+    lease = Lease(client, keys.job_lease(NS, "job-last"), "worker-a", ttl_s=30,
+                  stream=keys.job_events(NS, "job-last"))
+    client.script_load(RELEASE)  # as on a worker that ended a job before: one round trip
+    assert lease.take()
+    assert publisher.publish(Event(job_id="job-last", seq=0, kind="started"), lease)
+    done = Event(job_id="job-last", seq=1, kind="done", data={"finish_reason": "length"})
+    lose_replies(client, monkeypatch, 1)
+    with pytest.raises(redis.TimeoutError):
+        publisher.publish_last(done, lease)
+    assert publisher.publish_last(done, lease) is False  # already out
+    assert [(e.seq, e.kind) for e in stream_of(client, "job-last")] == [(0, "started"),
+                                                                        (1, "done")]
+    assert not client.exists(keys.job_lease(NS, "job-last"))
+    # Another attempt's event at that seq is no duplicate of this one: the lease is lost.
+    other = Event(job_id="job-last", seq=1, kind="error", data={"code": "internal"})
+    with pytest.raises(LeaseLost):
+        publisher.publish_last(other, lease)
