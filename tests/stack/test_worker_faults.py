@@ -28,13 +28,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 from tidegate_client import Client
 
 from api.fleet import active_workers
 from tasks.app import celery_app
-from tests.helpers import Stack, engine_stats
+from tests.helpers import Stack, engine_processes, engine_stats
 from tidegate import keys
 from tidegate.events import Event
 from tidegate.fleet import read_heartbeat
@@ -138,15 +137,6 @@ def appended(stack: Stack, job_id: str) -> int:
     return int(n)
 
 
-def engine_of(proc: Proc) -> list[psutil.Process]:
-    """The worker's vLLM engine core and the processes it spawned."""
-    root = psutil.Process(proc.popen.pid)
-    cores = [p for p in root.children(recursive=True) if p.name().startswith("VLLM::")]
-    assert cores, "no vLLM engine process under the spare worker"
-    found = {q.pid: q for core in cores for q in (core, *core.children(recursive=True))}
-    return list(found.values())
-
-
 def hold(after_tokens: int) -> None:
     """Arms the spare worker's hold: its next job waits after this many tokens, until a
     hold of 0 lets it go."""
@@ -227,7 +217,7 @@ def test_a_dead_engine_takes_its_worker_out_of_rotation_and_its_job_ends_elsewhe
         # engine's processes are found first, the job's stream is watched in Redis, and
         # the engine is killed as its first tokens land: the job's second attempt
         # (check_done below) shows it died with the request in it.
-        engine = engine_of(spare)
+        engine = engine_processes(spare)
         reader = submit(stack)
         wait_until(lambda: appended(stack, reader.job_id) > 1, 60,
                    f"job {reader.job_id}'s first tokens", [spare], poll_s=0.002)
