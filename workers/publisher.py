@@ -164,7 +164,7 @@ class EventPublisher:
                 return None
             raise
         if answer == 0:
-            if self._holds(event):
+            if event.terminal and self._holds(event):
                 return None  # a retry: this very event went out, its reply was lost
             raise LeaseLost(event.job_id)
         return int(answer)
@@ -173,7 +173,10 @@ class EventPublisher:
         """The stream has this very event at its seq. An attempt's last event releases its
         lease in the same round trip (publish_last): when that reply is lost, the retry
         finds no lease and the job's end in the stream, and must not take itself for a
-        replaced attempt (LeaseLost leaves the task unacked, to be delivered again)."""
+        replaced attempt (LeaseLost leaves the task unacked, to be delivered again). Asked
+        only then: a retried event before the last finds its lease and Redis refuses the
+        seq, and nothing is appended on this answer either way (the script checks the
+        lease before its XADD)."""
         entries: Any = self.r.xrange(keys.job_events(self.ns, event.job_id),
                                      keys.stream_id(event.seq), keys.stream_id(event.seq))
         if not entries:
