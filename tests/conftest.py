@@ -29,6 +29,9 @@ os.environ.update({
     "TIDEGATE_NAMESPACE": "tgtest",
     "TIDEGATE_HEARTBEAT_S": "0.5",
     "TIDEGATE_KV_CACHE_GIB": "1",
+    # vLLM's model in its engine core process, as on one GPU: each of the suite's ~35
+    # worker starts spawns one process fewer that imports vLLM (docs/settings.md).
+    "TIDEGATE_VLLM_CPU_EXECUTOR": "uni",
     # No process binds the default metrics ports (a demo on this machine may hold them);
     # tidegate_tools.procs gives the workers and schedulers it starts free ones.
     "TIDEGATE_WORKER_METRICS_PORT": "0",

@@ -383,11 +383,13 @@ class Settings(BaseSettings):
     kv_cache_gib: int = Field(
         1, gt=0,
         description="CPU engines: KV cache space per worker, in GiB.")
-    vllm_cpu_executor: Literal["uni", "mp"] = Field(
-        "uni",
-        description="vLLM on a CPU: uni runs the model in the engine core process, as vLLM "
-        "does for one GPU (a worker starts about 16 s sooner: one process fewer to start and "
-        "import vLLM in); mp adds the process vLLM's CPU build starts for it by default.")
+    vllm_cpu_executor: Literal["mp", "uni"] = Field(
+        "mp",
+        description="vLLM on a CPU: mp (vLLM's CPU default) runs the model in a process of its "
+        "own under the engine core; uni runs it in the engine core process, as vLLM does for "
+        "one GPU: a worker starts 6-16 s sooner (one process fewer to start and import vLLM "
+        "in), the tests' choice, but under bench/chaos.py's load on two pinned cores it fell "
+        "behind (the engine's scheduler shares the model's core).")
     kv_cache_blocks: int = Field(
         0, ge=0,
         description="A fixed KV cache of this many blocks; 0: sized by memory, the engine's own "

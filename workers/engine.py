@@ -18,7 +18,7 @@ class EngineConfig:
     max_model_len: int = 2048
     slots: int = 64  # sequences batched at once
     kv_cache_gib: int = 1  # CPU engines only
-    cpu_executor: str = "uni"  # vLLM on a CPU: the model in the engine core ("uni") or not
+    cpu_executor: str = "mp"  # vLLM on a CPU: the model in a process of its own, or "uni"
     enable_prefix_caching: bool = True
     quantization: str | None = None  # weights, e.g. "fp8" where the engine has it
     lora_adapters: tuple[tuple[str, str], ...] = ()  # (name, path) served by this engine
