@@ -179,11 +179,7 @@ class EventPublisher:
         lease before its XADD)."""
         entries: Any = self.r.xrange(keys.job_events(self.ns, event.job_id),
                                      keys.stream_id(event.seq), keys.stream_id(event.seq))
-        if not entries:
-            return False
-        fields = entries[0][1]
-        raw = fields.get(b"e", fields.get("e"))
-        return (raw.encode() if isinstance(raw, str) else raw) == event.to_json().encode()
+        return bool(entries) and entries[0][1].get(b"e") == event.to_json().encode()
 
     @property
     def append_sha(self) -> str:
