@@ -37,6 +37,7 @@ from tasks.webhooks import UrlMalformed, UrlRefused, check_url
 MAX_OVERLAP_S = 30 * 86400
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
+MAX_FAIR_WEIGHT = 1000  # a weight 1000x another's is already all but strict priority
 
 
 class TenantSettings(BaseModel):
@@ -53,6 +54,9 @@ class TenantSettings(BaseModel):
     # Tokens (prompt plus completion) a calendar month (UTC); null: no budget. Spent, a
     # submit answers 429 `quota_exceeded` (api/limits.py). A BIGINT column.
     monthly_token_budget: int | None = Field(None, gt=0, le=MAX_INT64)
+    # Its weight in each lane's fair queuing (tidegate/fairq.py): while tenants wait in a
+    # lane, each is served tokens in proportion to its weight. null: 1.
+    fair_weight: int | None = Field(None, ge=1, le=MAX_FAIR_WEIGHT)
 
 
 class NewTenant(TenantSettings):
@@ -154,7 +158,8 @@ class _Routes:
             raise ApiError(409, "name", f"name: tenant {new.name!r} exists",
                            kind="conflict") from None
         later = {name: value for name, value in (("webhook_url", new.webhook_url),
-                 ("monthly_token_budget", new.monthly_token_budget)) if value is not None}
+                 ("monthly_token_budget", new.monthly_token_budget),
+                 ("fair_weight", new.fair_weight)) if value is not None}
         if later:
             updated = await asyncio.to_thread(self.tenants.update, new.name, **later)
             record = updated or record
@@ -235,7 +240,8 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
             "created_at": _at(t.created_at), "revoked_at": _at(t.revoked_at),
             "requests_per_minute": t.requests_per_minute,
             "tokens_per_minute": t.tokens_per_minute, "webhook_url": t.webhook_url,
-            "max_priority": t.max_priority, "monthly_token_budget": t.monthly_token_budget}
+            "max_priority": t.max_priority, "monthly_token_budget": t.monthly_token_budget,
+            "fair_weight": t.fair_weight or 1}
 
 
 def key_json(k: KeyRecord) -> dict[str, Any]:

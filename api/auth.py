@@ -53,6 +53,7 @@ class Tenant:
     webhook_url: str | None = None  # its jobs' default callback_url
     max_priority: int | None = None  # the most its jobs may ask; None: the lane's default
     monthly_token_budget: int | None = None  # tokens a month (UTC); None: no budget
+    fair_weight: int = 1  # its share of a backlogged lane against other tenants' weights
 
 
 # A key found valid is trusted this long without a store lookup: every request began with
@@ -202,7 +203,8 @@ def tenant_for_key(store: Store, key: str) -> Tenant:
                     requests_per_minute=record.requests_per_minute,
                     tokens_per_minute=record.tokens_per_minute,
                     webhook_url=record.webhook_url, max_priority=record.max_priority,
-                    monthly_token_budget=record.monthly_token_budget)
+                    monthly_token_budget=record.monthly_token_budget,
+                    fair_weight=record.fair_weight or 1)
     _known.put(digest, tenant, generation)
     return tenant
 

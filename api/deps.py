@@ -37,6 +37,7 @@ from store.usage import Usage
 from tasks.app import make_app, queue_lengths
 from tidegate import keys, redisconn
 from tidegate.events import Event
+from tidegate.fairq import FairPush
 from tidegate.fleet import read_fleet
 from tidegate.ratelimit import RateLimits
 from tidegate.records import JobStatus
@@ -85,6 +86,8 @@ class Deps:
         # Handler and admission threads: no blocking reads, so each reply gets the plain
         # socket timeout, and a blackholed Redis is a 503 within it (api/app.py).
         self.sync_redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
+        # Places each job's message in its tenant's fair order (api/submit.py `_push`).
+        self.fair_push = FairPush(self.sync_redis, settings.namespace, settings.fair_burst_jobs)
         # Jobs' streams and cancel keys (TIDEGATE_STREAMS_URL): the same clients unless
         # they live apart, maybe on a cluster.
         self.stream_redis: Any = self.redis

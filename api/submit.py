@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+import redis
 from celery import Celery
 
 from api import limits, openai_tools
@@ -40,10 +41,11 @@ from api.schemas import JobAccepted, JobRequest
 from scheduler import router
 from store import JobRecord, SessionRecord, Store
 from tasks import webhooks
-from tasks.app import push_generate, send_generate, writes_to
+from tasks.app import generate_message, push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import capabilities as cap
-from tidegate import hot, keys, ratelimit, tracing
+from tidegate import fairq, hot, keys, ratelimit, tracing
+from tidegate.fairq import FairPush
 from tidegate.lanes import Lane, lenders_of, pool_queue, redis_priority
 from tidegate.settings import Settings
 
@@ -58,6 +60,7 @@ class SubmitDeps(Protocol):
     settings: Settings
     store: Store
     sync_redis: Any  # redis.Redis: blocking, called from the submit threads
+    fair_push: FairPush  # on sync_redis (the broker, where `writes_to` it)
     celery: Celery
     prompts: PromptRenderer
     metrics: ApiMetrics
@@ -293,7 +296,7 @@ def publish(deps: SubmitDeps, checked: Checked, job: JobRecord, payload: Generat
     priority = redis_priority(job.priority)
     # deps.sync_redis is redisconn.sync_client(settings.redis_url) (api/deps.py).
     if writes_to(deps.celery, deps.settings.redis_url):
-        _send(deps, job, functools.partial(_push, deps, checked.lane, job.queue, priority,
+        _send(deps, job, functools.partial(_push, deps, checked, job.queue, priority,
                                            payload, system))
     else:  # the broker is not the API's Redis: Celery sends, the sample follows
         _send(deps, job, functools.partial(send_generate, deps.celery, payload, job.queue,
@@ -321,16 +324,29 @@ def _send(deps: SubmitDeps, job: JobRecord, send: Callable[[], None]) -> None:
         raise unavailable("the job queue is unavailable; retry later") from None
 
 
-def _push(deps: SubmitDeps, lane: Lane, queue: str, priority: int, payload: GeneratePayload,
-          system: str) -> None:
-    """The task's message (the LPUSH Celery's send_task would make: tasks/app.py) and the
+def _push(deps: SubmitDeps, checked: Checked, queue: str, priority: int,
+          payload: GeneratePayload, system: str) -> None:
+    """The task's message (the LPUSH Celery's send_task would make: tasks/app.py), placed
+    in its tenant's fair order (tidegate/fairq.py) unless fair queuing is off, and the
     lane's traffic sample, in one round trip. Only the push decides: a sample that failed
     is a sample lost, not a reason to take back a job already queued."""
     pipe = deps.sync_redis.pipeline(transaction=False)
-    push_generate(pipe, deps.celery, payload, queue, priority)
-    _sample_traffic(deps, pipe, lane, system)
+    fair: tuple[str, str, str, int, float] | None = None
+    if deps.settings.fair_queuing:
+        sublist, message = generate_message(deps.celery, payload, queue, priority)
+        job_cost = fairq.cost(checked.prompt_tokens, checked.req.max_tokens,
+                              checked.tenant.fair_weight)
+        fair = (sublist, message, payload.job_id, checked.tenant.id, job_cost)
+        deps.fair_push.add(pipe, *fair)
+    else:
+        push_generate(pipe, deps.celery, payload, queue, priority)
+    _sample_traffic(deps, pipe, checked.lane, system)
     pushed = pipe.execute(raise_on_error=False)[0]
-    if isinstance(pushed, Exception):
+    if fair and isinstance(pushed, redis.exceptions.NoScriptError):
+        # A broker new since this process's last push (restarted, flushed): the script
+        # is loaded and the push made alone. Nothing was pushed by the failed EVALSHA.
+        deps.fair_push.push(*fair)
+    elif isinstance(pushed, Exception):
         raise pushed
 
 

@@ -101,6 +101,9 @@ class Tenant(Base):
     # usage ledger counts them; None: no budget. Spent: a submit answers 429
     # `quota_exceeded` (api/limits.py). BigInteger: a budget may pass 2**31 tokens.
     monthly_token_budget: Mapped[int | None] = mapped_column(BigInteger)
+    # The tenant's weight in each lane's fair queuing (tidegate/fairq.py): backlogged
+    # tenants share a lane's queue in proportion to their weights. None: 1.
+    fair_weight: Mapped[int | None] = mapped_column(Integer)
 
 
 class Job(Base):

@@ -35,6 +35,7 @@ class TenantRecord:
     webhook_url: str | None = None  # the default callback_url of the tenant's jobs
     max_priority: int | None = None  # the most its jobs may ask; None: the lane's default
     monthly_token_budget: int | None = None  # tokens a calendar month (UTC); None: no budget
+    fair_weight: int | None = None  # its weight in a lane's fair queuing; None: 1
 
     @property
     def active(self) -> bool:
@@ -106,6 +107,7 @@ def tenant_record(tenant: Tenant) -> TenantRecord:
         webhook_url=tenant.webhook_url,
         max_priority=tenant.max_priority,
         monthly_token_budget=tenant.monthly_token_budget,
+        fair_weight=tenant.fair_weight,
     )
 
 

@@ -20,7 +20,7 @@ from store.records import TenantRecord, tenant_record
 
 ADMIN_KEY_PREFIX = "tga_"
 TENANT_FIELDS = ("lanes", "requests_per_minute", "tokens_per_minute", "webhook_url",
-                 "max_priority", "monthly_token_budget")
+                 "max_priority", "monthly_token_budget", "fair_weight")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,13 @@ by default the main one, maybe a cluster); ``{t}`` is the job's hash tag in brac
 |                                |         |                 | the claim lease                   |
 | ``{ns}:webhook:sending:{id}``  | string  | webhook sender  | one attempt of a delivery in      |
 |                                |         |                 | flight; the claim lease           |
+| ``{ns}:fair:{list}:tags``      | zset    | API             | job -> its fair start tag, while  |
+|                                |         |                 | waiting in kombu's ``list`` (on   |
+|                                |         |                 | the broker: tidegate/fairq.py);   |
+|                                |         |                 | a day after the last push         |
+| ``{ns}:fair:{list}:finish``    | hash    | API             | tenant -> its last finish tag on  |
+|                                |         |                 | ``list``, the virtual time; as    |
+|                                |         |                 | above                             |
 
 Celery queues (kombu's lists on the broker's Redis; no namespace, the broker's DB keeps
 deployments apart):
@@ -157,6 +164,16 @@ def job_live_pattern(ns: str) -> str:
     """Every job's live channel (PSUBSCRIBE; on a cluster they are shard channels, which
     take no pattern: SSUBSCRIBE each)."""
     return f"{ns}:job:*:live"
+
+
+def fair_tags(ns: str, sublist: str) -> str:
+    """The fair start tags of the jobs waiting in one of kombu's lists (tidegate/fairq.py)."""
+    return f"{ns}:fair:{sublist}:tags"
+
+
+def fair_finish(ns: str, sublist: str) -> str:
+    """Each tenant's last finish tag on one of kombu's lists, and the list's clock."""
+    return f"{ns}:fair:{sublist}:finish"
 
 
 def job_lease(ns: str, job_id: str) -> str:

@@ -136,6 +136,19 @@ class Settings(BaseSettings):
         1000, gt=0,
         description="Jobs queued or running one tenant may have (the store counts them); past it "
         "a 429 too_many_in_flight.")
+    # Weighted fair queuing of tenants in each queue and priority step (tidegate/fairq.py).
+    fair_queuing: bool = Field(
+        True,
+        description="Order the waiting jobs of one priority step by weighted fair queuing "
+        "between tenants (a tenant's weight: the admin API's fair_weight, default 1), so a "
+        "tenant that floods a lane does not put other tenants behind its backlog; false: "
+        "arrival order. Applies where the API writes the broker's lists itself (the broker "
+        "is the API's Redis, the default).")
+    fair_burst_jobs: int = Field(
+        4, ge=0,
+        description="Fair queuing: how many jobs of a tenant that has used less than its "
+        "share may go ahead of other tenants' backlogs at once (each job's own cost before "
+        "the lane's virtual time); 0: none, plain start-time fair queuing.")
     # Messages waiting in a lane's pool queues; a lane's `max_queue_depth` overrides it.
     # Jobs below the lane's default priority are refused at a lower depth (shed first).
     max_queue_depth: int = Field(

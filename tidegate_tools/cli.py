@@ -264,6 +264,24 @@ def _tenant_max_priority(args: argparse.Namespace) -> None:
     print(f"tenant {args.name}: highest priority {shown}")
 
 
+def _tenant_weight(args: argparse.Namespace) -> None:
+    from store import Store
+    from store.tenants import Tenants
+
+    settings = get_settings()
+    tenants = Tenants(Store(settings.db_url, **settings.store_timeouts))
+    if tenants.update(args.name, fair_weight=args.weight) is None:
+        raise SystemExit(f"tidegate tenant weight: no tenant {args.name!r}")
+    _announce()  # API processes forget the tenant as they knew it
+    print(f"tenant {args.name}: fair queuing weight {args.weight or 1}")
+
+
+def _weight(raw: str) -> int:
+    if not (raw.isdigit() and 1 <= int(raw) <= 1000):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a weight 1-1000")
+    return int(raw)
+
+
 def _priority(raw: str) -> int:
     if not (raw.isdigit() and 0 <= int(raw) <= 9):
         raise argparse.ArgumentTypeError(f"{raw!r} is not a priority 0-9")
@@ -432,6 +450,12 @@ def _tenant_parser(sub: Any) -> None:
     m.add_argument("name")
     m.add_argument("priority", nargs="?", type=_priority, default=None)
     m.set_defaults(func=_tenant_max_priority)
+    fw = t.add_parser("weight", help="set (or, with none, reset to 1) a tenant's weight in "
+                      "each lane's fair queuing: backlogged tenants share a lane in "
+                      "proportion to their weights")
+    fw.add_argument("name")
+    fw.add_argument("weight", nargs="?", type=_weight, default=None)
+    fw.set_defaults(func=_tenant_weight)
     w = t.add_parser("webhook", help="set (or, with no URL, clear) a tenant's default "
                      "callback_url")
     w.add_argument("name")

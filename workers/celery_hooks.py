@@ -83,6 +83,11 @@ class EventBatchingConsumer(Consumer):
                 dispatcher.producer.serializer = broker.EVENT_SERIALIZER
         self._event_dispatcher = dispatcher
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        global _consumer_hub
+        _consumer_hub = self.hub
+
     def on_send_event_buffered(self) -> None:
         if self.hub is None:
             return
@@ -112,10 +117,41 @@ class EventBatchingConsumer(Consumer):
 class TextFreeRequest(Request):
     """A task request whose `info()` (what `inspect active/reserved/query_task` answer, and
     Flower shows on a worker's page) carries the task's `argsrepr`, never its arguments:
-    a generate task's argument is the prompt (tasks.app.task_repr)."""
+    a generate task's argument is the prompt (tasks.app.task_repr).
+
+    Its ack (or requeue) wakes the consumer's loop. A task thread acks: with every slot's
+    message unacked the consumer stops popping (the prefetch window is the slot count),
+    and kombu registers its next BRPOP only on a turn of its loop, which an ack from
+    another thread does not cause. The loop slept until its next timer (the task events'
+    flush, up to 0.1 s; otherwise a second), so a freed slot stayed idle that long while
+    jobs waited: bench/fairness.py measured a waiting job's queue wait at 200-540 ms with
+    a full engine where the next slot freed within ~40 ms."""
 
     def info(self, safe: bool = False) -> dict[str, Any]:
         return super().info(safe=True)
+
+    def acknowledge(self) -> None:
+        super().acknowledge()
+        turn_consumer_loop()
+
+    def reject(self, requeue: bool = False) -> None:
+        super().reject(requeue)
+        turn_consumer_loop()
+
+
+_consumer_hub: Any = None  # the consumer's event loop (kombu's Hub), once it has one
+
+
+def turn_consumer_loop() -> None:
+    """A turn of the consumer's loop, from any thread (call_soon is the hub's thread-safe
+    entry and wakes its poll)."""
+    hub = _consumer_hub
+    if hub is not None:
+        hub.call_soon(_noop)
+
+
+def _noop() -> None:
+    pass
 
 
 def generate(task: Any, body: dict[str, Any]) -> str:

@@ -132,12 +132,23 @@ def test_a_lane_taken_away_is_refused_at_once(admin: Admin) -> None:
     assert refused.status_code == 403 and refused.json()["error"]["field"] == "lane"
 
 
+def test_a_tenants_fair_weight_is_set_shown_and_reset(admin: Admin) -> None:
+    created = new_tenant(admin, "weighted", fair_weight=5)
+    assert created["fair_weight"] == 5
+    assert admin.call("GET", "/admin/v1/tenants/weighted").json()["fair_weight"] == 5
+    reset = admin.call("PATCH", "/admin/v1/tenants/weighted", json={"fair_weight": None})
+    assert reset.status_code == 200 and reset.json()["fair_weight"] == 1  # null: the default
+    assert new_tenant(admin, "unweighted")["fair_weight"] == 1
+
+
 @pytest.mark.parametrize(("body", "status", "field"), [
     ({"name": "bad-lane", "lanes": ["gold"]}, 422, "lanes"),
     ({"name": "no-lanes", "lanes": []}, 422, "lanes"),
     ({"name": "x", "lanes": ["chat"], "webhook_url": "ftp://crm.example.com"}, 422,
      "webhook_url"),
     ({"name": "x", "lanes": ["chat"], "extra": 1}, 422, "extra"),
+    ({"name": "x", "lanes": ["chat"], "fair_weight": 0}, 422, "fair_weight"),
+    ({"name": "x", "lanes": ["chat"], "fair_weight": 1001}, 422, "fair_weight"),
     ({"name": "crossing", "lanes": ["chat"]}, 409, "name"),
 ])
 def test_bad_admin_input_names_the_field(admin: Admin, body: dict[str, Any], status: int,

@@ -133,7 +133,7 @@ def test_upgrade_is_at_head_and_repeatable(db_url: str) -> None:
     head = ScriptDirectory.from_config(alembic_config(db_url)).get_current_head()
     engine = make_engine(db_url)
     with engine.connect() as conn:
-        assert MigrationContext.configure(conn).get_current_revision() == head == "0016"
+        assert MigrationContext.configure(conn).get_current_revision() == head == "0017"
     engine.dispose()
 
 
