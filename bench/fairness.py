@@ -40,6 +40,7 @@ import random
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -346,6 +347,7 @@ def figures(fair: System, fifo: System) -> dict[str, Any]:
             "quiet_ttft_p50_ms": ttft_p(system.contended, 50),
             "quiet_ttft_p99_ms": ttft_p(system.contended, 99),
             "quiet_jobs": len(system.contended), "quiet_errors": errors(system.contended),
+            "quiet_error_kinds": dict(Counter(x.error for x in system.contended if x.error)),
             "flood_refused": system.flood_refused, "shares": system.shares,
             "quiet_parts": parts(system.contended),
             "backlogged_s": system.backlog_s}
