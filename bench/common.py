@@ -73,10 +73,12 @@ def write_report(path: Path, title: str, table: str, setup: Mapping[str, Any],
 
 def plot_distributions(path: Path, series: Mapping[str, Sequence[float]], title: str,
                        xlabel: str, histogram: bool = True,
-                       styles: Mapping[str, Mapping[str, Any]] | None = None) -> None:
+                       styles: Mapping[str, Mapping[str, Any]] | None = None,
+                       log_x: bool = False) -> None:
     """Empirical CDFs of one measure for several systems, beside overlaid histograms unless
     `histogram` is False (series of very different sizes make histograms unreadable).
-    `styles`: matplotlib line keywords per series name."""
+    `styles`: matplotlib line keywords per series name. `log_x`: the CDF's axis in
+    decades, for series hundreds of times apart."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display here; set before pyplot is imported
@@ -93,6 +95,8 @@ def plot_distributions(path: Path, series: Mapping[str, Sequence[float]], title:
             ys = [(i + 1) / len(ordered) for i in range(len(ordered))]
             cdf.step(ordered, ys, where="post", label=name, **(styles or {}).get(name, {}))
     cdf.set(xlabel=xlabel, ylabel="fraction of requests", title="CDF", ylim=(0, 1.02))
+    if log_x:
+        cdf.set_xscale("log")
     cdf.grid(alpha=0.3)
     cdf.legend()
     fig.suptitle(title)

@@ -427,7 +427,7 @@ def report(fair: System, fifo: System, window_s: float) -> dict[str, Any]:
                                                  if x.error is None]}
     plot_distributions(RESULTS / "fairness.png", series, "Quiet tenant's TTFT "
                        f"({SLOTS} slots, {OVERLOAD:.0f}x overload, flood {FLOOD_RATIO}x its rate)",
-                       "time to first token (ms)")
+                       "time to first token (ms)", histogram=False, log_x=True)
     write_json(RESULTS / "fairness.json", out)
     print(body)
     print(verdict)

@@ -385,7 +385,7 @@ def _record(tenant_id: int) -> Any:
 
     return SimpleNamespace(id=tenant_id, name=f"t{tenant_id}", lanes=["chat"],
                            requests_per_minute=None, tokens_per_minute=None, webhook_url=None,
-                           max_priority=None, monthly_token_budget=None)
+                           max_priority=None, monthly_token_budget=None, fair_weight=None)
 
 
 def test_revoking_a_key_ends_its_open_streams_and_refuses_it_at_once(

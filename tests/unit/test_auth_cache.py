@@ -26,7 +26,7 @@ class CountingStore:
 def record(tenant_id: int) -> Any:
     return SimpleNamespace(id=tenant_id, name=f"t{tenant_id}", lanes=["chat"],
                            requests_per_minute=None, tokens_per_minute=None, webhook_url=None,
-                           max_priority=None, monthly_token_budget=None)
+                           max_priority=None, monthly_token_budget=None, fair_weight=None)
 
 
 def test_a_valid_key_is_looked_up_once_within_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
