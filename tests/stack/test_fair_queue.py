@@ -20,6 +20,7 @@ import redis
 from tests.helpers import api_of_its_own, own_db
 from tidegate import keys
 from tidegate.fairq import TAGS_TTL_S, FairPush, cost
+from tidegate_tools.procs import free_port, start_redis
 from workers.lending import task_id
 
 QUEUE = "chat.vllm"  # the chat lane's pool queue of the advertised worker's pool
@@ -120,6 +121,24 @@ def test_with_fair_queuing_off_jobs_wait_in_arrival_order(redis_server: str,
         flood = _submit(first, flood_key, 4, "Flood")
         quiet = _submit(second, quiet_key, 1, "Quiet")
         assert _taken_order(own.redis) == [*flood, *quiet]
+
+
+def test_a_broker_that_forgot_the_script_still_gets_the_job_once(tmp_root: Path) -> None:
+    """A broker restarted (or flushed) since the API's last push has no script: the push
+    loads it and goes on; the submit is a 202 and its message is queued once. A
+    redis-server of its own: SCRIPT FLUSH empties every database's scripts."""
+    port = free_port()
+    private = start_redis(port, tmp_root / "logs")
+    try:
+        url = f"redis://127.0.0.1:{port}/0"
+        with _apis(url, tmp_root, "fairnoscript", "noscript") as (first, _, own):
+            _, key = own.store.create_tenant("solo", ["chat"])
+            before = _submit(first, key, 1, "Before")
+            own.redis.script_flush()
+            after = _submit(first, key, 1, "After")
+            assert _taken_order(own.redis) == [*before, *after]
+    finally:
+        private.stop()
 
 
 def test_jobs_taken_since_the_last_push_and_untagged_messages_keep_the_order(
