@@ -251,28 +251,26 @@ def _log_level(args: argparse.Namespace) -> str:
     return settings.log_level
 
 
-def _tenant_max_priority(args: argparse.Namespace) -> None:
+def _set_tenant(command: str, name: str, **values: Any) -> None:
+    """One of a tenant's settings changed (store/tenants.py TENANT_FIELDS), then announced."""
     from store import Store
     from store.tenants import Tenants
 
     settings = get_settings()
     tenants = Tenants(Store(settings.db_url, **settings.store_timeouts))
-    if tenants.update(args.name, max_priority=args.priority) is None:
-        raise SystemExit(f"tidegate tenant max-priority: no tenant {args.name!r}")
+    if tenants.update(name, **values) is None:
+        raise SystemExit(f"tidegate tenant {command}: no tenant {name!r}")
     _announce()  # API processes forget the tenant as they knew it
+
+
+def _tenant_max_priority(args: argparse.Namespace) -> None:
+    _set_tenant("max-priority", args.name, max_priority=args.priority)
     shown = "each lane's default" if args.priority is None else str(args.priority)
     print(f"tenant {args.name}: highest priority {shown}")
 
 
 def _tenant_weight(args: argparse.Namespace) -> None:
-    from store import Store
-    from store.tenants import Tenants
-
-    settings = get_settings()
-    tenants = Tenants(Store(settings.db_url, **settings.store_timeouts))
-    if tenants.update(args.name, fair_weight=args.weight) is None:
-        raise SystemExit(f"tidegate tenant weight: no tenant {args.name!r}")
-    _announce()  # API processes forget the tenant as they knew it
+    _set_tenant("weight", args.name, fair_weight=args.weight)
     print(f"tenant {args.name}: fair queuing weight {args.weight or 1}")
 
 

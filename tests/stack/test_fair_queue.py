@@ -65,15 +65,23 @@ def _apis(redis_server: str, tmp_root: Path, name: str, part: str,
         yield one.base_url, two.base_url, one
 
 
-def test_a_quiet_tenants_job_goes_ahead_of_a_flooding_tenants_backlog(
-        redis_server: str, tmp_root: Path) -> None:
-    with _apis(redis_server, tmp_root, "fairq", "quiet") as (first, second, own):
+def _flood_then_quiet(redis_server: str, tmp_root: Path, name: str,
+                      **settings: object) -> tuple[list[str], list[str], list[str], list[str]]:
+    """The flood submits 8 through one API, a worker takes 4 (the flood is backlogged),
+    the quiet tenant submits 2 through the other API: (flood, taken, quiet, the order
+    the rest is taken in)."""
+    with _apis(redis_server, tmp_root, name, name, **settings) as (first, second, own):
         _, flood_key = own.store.create_tenant("flood", ["chat"])
         _, quiet_key = own.store.create_tenant("quiet", ["chat"])
         flood = _submit(first, flood_key, 8, "Flood")
-        taken = _take(own.redis, 4)  # a worker took four: the flood is backlogged
-        quiet = _submit(second, quiet_key, 2, "Quiet")  # through the other API
-        order = _taken_order(own.redis)
+        taken = _take(own.redis, 4)
+        quiet = _submit(second, quiet_key, 2, "Quiet")
+        return flood, taken, quiet, _taken_order(own.redis)
+
+
+def test_a_quiet_tenants_job_goes_ahead_of_a_flooding_tenants_backlog(
+        redis_server: str, tmp_root: Path) -> None:
+    flood, taken, quiet, order = _flood_then_quiet(redis_server, tmp_root, "fairq")
     assert taken == flood[:4]
     # A tenant below its share starts a few jobs' cost (TIDEGATE_FAIR_BURST_JOBS, 4) before
     # the lane's virtual time: both its jobs go ahead of the flood's backlog.
@@ -82,14 +90,8 @@ def test_a_quiet_tenants_job_goes_ahead_of_a_flooding_tenants_backlog(
 
 def test_without_burst_credit_a_quiet_job_starts_at_the_lanes_virtual_time(
         redis_server: str, tmp_root: Path) -> None:
-    with _apis(redis_server, tmp_root, "fairsfq", "sfq", fair_burst_jobs=0) as (
-            first, second, own):
-        _, flood_key = own.store.create_tenant("flood", ["chat"])
-        _, quiet_key = own.store.create_tenant("quiet", ["chat"])
-        flood = _submit(first, flood_key, 8, "Flood")
-        _take(own.redis, 4)
-        quiet = _submit(second, quiet_key, 2, "Quiet")
-        order = _taken_order(own.redis)
+    flood, _, quiet, order = _flood_then_quiet(redis_server, tmp_root, "fairsfq",
+                                               fair_burst_jobs=0)
     # Equal to the head's start tag (after it: arrival order), then its own cost later.
     assert order == [flood[4], quiet[0], flood[5], quiet[1], *flood[6:]]
 
