@@ -143,7 +143,7 @@ class _Routes:
 
     async def list_tenants(self, request: Request) -> JSONResponse:
         await self._admin(request)
-        rows = await asyncio.to_thread(self.deps.store.list_tenants)
+        rows = await asyncio.to_thread(self.deps.store.tenants.list_tenants)
         return JSONResponse({"object": "list", "data": [tenant_json(t) for t in rows]})
 
     async def create_tenant(self, request: Request) -> JSONResponse:
@@ -152,7 +152,7 @@ class _Routes:
         self._check(new)
         try:
             record, key = await asyncio.to_thread(
-                self.deps.store.create_tenant, new.name, new.lanes, new.requests_per_minute,
+                self.deps.store.tenants.create_tenant, new.name, new.lanes, new.requests_per_minute,
                 new.tokens_per_minute, new.max_priority)
         except TenantExistsError:
             raise ApiError(409, "name", f"name: tenant {new.name!r} exists",
@@ -189,7 +189,7 @@ class _Routes:
 
     async def revoke_tenant(self, name: str, request: Request) -> JSONResponse:
         await self._admin(request)
-        await asyncio.to_thread(self.deps.store.revoke_tenant, name)
+        await asyncio.to_thread(self.deps.store.tenants.revoke_tenant, name)
         self._changed()
         return JSONResponse(tenant_json(await self._tenant(name)))
 

@@ -211,7 +211,7 @@ def _routes(app: FastAPI, deps: Deps) -> None:
     async def get_job(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
         job_id = check_job_id(job_id)
-        job = await asyncio.to_thread(deps.store.get_job, job_id, tenant.id)
+        job = await asyncio.to_thread(deps.store.jobs.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
         return JSONResponse(job_json(job))
@@ -239,7 +239,7 @@ def _routes(app: FastAPI, deps: Deps) -> None:
             job = _JustAccepted(job_id, tenant.id)
         else:
             job = await deps.admission.run(stream_rank(deps, job_id, after, tenant),
-                                           deps.store.get_job, job_id, tenant.id)
+                                           deps.store.jobs.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
         give_back = deps.streams.take(job.tenant_id)  # 429 when the caps are reached
@@ -275,7 +275,7 @@ def _ops_routes(app: FastAPI, deps: Deps) -> None:
 
 
 def _job_page(deps: Deps, tenant_id: int, query: listing.JobQuery) -> dict[str, Any]:
-    rows = deps.store.list_jobs(
+    rows = deps.store.jobs.list_jobs(
         tenant_id, statuses=query.statuses, lane=query.lane, session_id=query.session_id,
         created_after=query.created_after, after=query.after,
         limit=query.limit + 1)  # one more: is there a next page
@@ -397,7 +397,7 @@ class _EventReader:
                     f"Last-Event-ID {self.seq}")
         if job is _READ_IT:
             try:
-                job = await asyncio.to_thread(self.deps.store.get_job, self.job_id)
+                job = await asyncio.to_thread(self.deps.store.jobs.get_job, self.job_id)
             except SQLAlchemyError as exc:  # the store's outage must not end a stream
                 log.warning("SSE of job %s: store failed (%s)", self.job_id,
                             type(exc).__name__, extra={"job_id": self.job_id})
@@ -453,7 +453,7 @@ async def _readiness(deps: Deps) -> dict[str, dict[str, Any]]:
         except aioredis.RedisError as exc:
             checks["streams"] = {"ok": False, "error": type(exc).__name__}
     try:
-        await asyncio.to_thread(deps.store.count_jobs)
+        await asyncio.to_thread(deps.store.jobs.count_jobs)
         checks["database"] = {"ok": True}
     except Exception as exc:
         checks["database"] = {"ok": False, "error": type(exc).__name__}

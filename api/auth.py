@@ -194,7 +194,7 @@ def tenant_for_key(store: Store, key: str) -> Tenant:
     if digest in _unknown:
         raise unauthorized(UNKNOWN_KEY)
     generation = _known.generation  # read before the lookup: a change after it wins
-    record = store.tenant_by_key(key)
+    record = store.tenants.tenant_by_key(key)
     if record is None:
         _known.forget(digest)
         _unknown.add(digest)

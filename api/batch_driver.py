@@ -41,7 +41,7 @@ from store.batches import Batches, BatchRecord
 from tidegate import keys
 from tidegate.lanes import Lane
 from tidegate.locks import RedisLock, new_token
-from tidegate.records import JobStatus
+from tidegate.records import BatchStatus, JobStatus
 from tidegate.settings import Settings
 
 log = logging.getLogger("tidegate.batches")
@@ -168,7 +168,7 @@ class Driver:
             for job in self.batches.line_jobs(b.tenant_id, b.id, b.submitted).values():
                 if not job.terminal:
                     cancel(self.deps, job.id, b.tenant_id)
-            self.batches.end_batch(b.id, "failed", failed_at=utcnow(), errors=[
+            self.batches.end_batch(b.id, BatchStatus.FAILED, failed_at=utcnow(), errors=[
                 {"code": code, "message": message, "param": None, "line": None}])
             log.warning("batch %s: failed (%s)", b.id, code)
         except Exception as exc:  # noqa: BLE001 - the next pass tries again
@@ -179,21 +179,24 @@ class Driver:
     def step(self, b: BatchRecord) -> None:
         tenant = self._tenant(b)
         if tenant is None:
-            self._end(b, "failed", failed_at=utcnow(), errors=[
+            self._end(b, BatchStatus.FAILED, failed_at=utcnow(), errors=[
                 {"code": "tenant_revoked", "message": "the batch's API key was revoked",
                  "param": None, "line": None}])
             return
-        if b.status == "validating":
-            b = self.batches.update_batch(b.id, expect=("validating",), status="in_progress",
+        if b.status == BatchStatus.VALIDATING:
+            b = self.batches.update_batch(b.id, expect=(BatchStatus.VALIDATING,),
+                                          status=BatchStatus.IN_PROGRESS,
                                           in_progress_at=utcnow()) or b
         jobs = self.batches.line_jobs(b.tenant_id, b.id, b.submitted)
-        if b.status == "in_progress" and utcnow() >= b.expires_at and not all_ended(b, jobs):
-            b = self.batches.update_batch(b.id, expect=("in_progress",), status="cancelling",
+        if (b.status == BatchStatus.IN_PROGRESS and utcnow() >= b.expires_at
+                and not all_ended(b, jobs)):
+            b = self.batches.update_batch(b.id, expect=(BatchStatus.IN_PROGRESS,),
+                                          status=BatchStatus.CANCELLING,
                                           cancelling_at=utcnow(), expired_at=utcnow()) or b
-        if b.status == "in_progress":
+        if b.status == BatchStatus.IN_PROGRESS:
             b = self._submit_more(b, tenant, jobs)
             jobs = self.batches.line_jobs(b.tenant_id, b.id, b.submitted)
-        elif b.status == "cancelling":
+        elif b.status == BatchStatus.CANCELLING:
             self._cancel_jobs(b, jobs)
         self._progress(b, jobs)
 
@@ -344,7 +347,7 @@ class Driver:
                                     if job.terminal and job.status != JobStatus.DONE
                                     and i not in refused)
         ended = done + failed == b.submitted and (
-            b.status == "cancelling" or b.submitted == b.total)
+            b.status == BatchStatus.CANCELLING or b.submitted == b.total)
         if not ended:
             if (done, failed) != (b.completed, b.failed):
                 self.batches.update_batch(b.id, completed=done, failed=failed,
@@ -354,7 +357,7 @@ class Driver:
 
     def _finish(self, b: BatchRecord, jobs: dict[int, JobRecord], done: int,
                 failed: int) -> None:
-        if b.status == "cancelling":  # the lines never submitted are in the error file too
+        if b.status == BatchStatus.CANCELLING:  # the lines never submitted: in the error file
             failed = b.total - done
         b = self.batches.update_batch(b.id, finalizing_at=utcnow(), completed=done,
                                       failed=failed, usage=batch_usage(jobs)) or b
@@ -364,15 +367,16 @@ class Driver:
                                             output, expiry) if output else None
         err_file = self.batches.create_file(b.tenant_id, "batch_output", f"{b.id}_errors.jsonl",
                                             errors, expiry) if errors else None
-        if b.status == "cancelling":
-            final = ("expired", "expired_at") if b.expired_at else ("cancelled", "cancelled_at")
+        if b.status == BatchStatus.CANCELLING:
+            final = ((BatchStatus.EXPIRED, "expired_at") if b.expired_at
+                     else (BatchStatus.CANCELLED, "cancelled_at"))
         else:
-            final = ("completed", "completed_at")
+            final = (BatchStatus.COMPLETED, "completed_at")
         self._end(b, final[0], **{final[1]: utcnow()},
                   output_file_id=out_file.id if out_file else None,
                   error_file_id=err_file.id if err_file else None)
 
-    def _end(self, b: BatchRecord, status: str, **values: Any) -> None:
+    def _end(self, b: BatchRecord, status: BatchStatus, **values: Any) -> None:
         self.batches.end_batch(b.id, status, **values)
         self._inputs.pop(b.id, None)
         log.info("batch %s: %s (%d lines)", b.id, status, b.total)

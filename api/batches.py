@@ -32,6 +32,7 @@ from api.openai_api import bad
 from api.schemas import check_text
 from store import utcnow
 from store.batches import Batches, BatchRecord
+from tidegate.records import BatchStatus
 
 log = logging.getLogger("tidegate.api")
 
@@ -162,8 +163,8 @@ def _cancel_batch(batches: Batches, batch_id: str, tenant_id: int) -> BatchRecor
     record = batches.get_batch(batch_id, tenant_id)
     if record is None:
         raise not_found("batch")
-    moved = batches.update_batch(batch_id, expect=("validating", "in_progress"),
-                                 status="cancelling", cancelling_at=utcnow())
+    moved = batches.update_batch(batch_id, expect=(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
+                                 status=BatchStatus.CANCELLING, cancelling_at=utcnow())
     return moved or record  # it had ended, or was ending: as it is
 
 

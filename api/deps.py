@@ -107,7 +107,7 @@ class Deps:
         self.metrics = ApiMetrics()
         # The three reads a submit's bounds need, run behind the submits (api/limits.py).
         behind = Refresher()
-        self.in_flight = InFlightCounts(self.store.count_in_flight, behind=behind)
+        self.in_flight = InFlightCounts(self.store.jobs.count_in_flight, behind=behind)
         self.backlogs = Backlogs(lambda queues: queue_lengths(self.sync_redis, queues),
                                  behind=behind)
         self.rate_limits = RateLimits(self.sync_redis, settings.namespace)
@@ -216,7 +216,7 @@ def admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobA
 def cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
     """Cancel the job, however often asked: a job that had already ended (by an earlier
     DELETE too) comes back as it is, 200; the effects that are safe to repeat are."""
-    job = deps.store.cancel_job(job_id, tenant_id)
+    job = deps.store.runs.cancel_job(job_id, tenant_id)
     if job is None:
         raise not_found("job")
     if job.status != JobStatus.CANCELLED:

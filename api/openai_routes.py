@@ -174,7 +174,7 @@ class _Watch:
 
     async def ended_row(self) -> Any:
         """The job's row once it has ended (else None)."""
-        job = await asyncio.to_thread(self.deps.store.get_job, self.job_id)
+        job = await asyncio.to_thread(self.deps.store.jobs.get_job, self.job_id)
         return job if job is not None and job.terminal else None
 
     def left(self) -> None:
@@ -217,7 +217,7 @@ async def _whole(watch: _Watch, request: Request, answer: Answer) -> dict[str, A
     except asyncio.CancelledError:
         watch.left()
         raise
-    row = await asyncio.to_thread(watch.deps.store.get_job, watch.job_id)
+    row = await asyncio.to_thread(watch.deps.store.jobs.get_job, watch.job_id)
     return _answer(answer, row, seen)
 
 

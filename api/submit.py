@@ -195,7 +195,7 @@ def _check_session(deps: SubmitDeps, tenant: Tenant,
     and id: another tenant's session of the same id is another session, never a 403."""
     if session_id is None:
         return None
-    return deps.store.get_session(session_id, tenant.id)
+    return deps.store.sessions.get_session(session_id, tenant.id)
 
 
 # -- replay, route, charge -----------------------------------------------------------
@@ -205,7 +205,7 @@ def replay(deps: SubmitDeps, checked: Checked) -> JobRecord | None:
     """The job an earlier request with this idempotency key made, if any."""
     if checked.idempotency_key is None:
         return None
-    return deps.store.job_by_idempotency_key(checked.tenant.id, checked.idempotency_key)
+    return deps.store.jobs.job_by_idempotency_key(checked.tenant.id, checked.idempotency_key)
 
 
 def lane_backlog(deps: SubmitDeps, lane: Lane) -> dict[str, int]:
@@ -265,7 +265,7 @@ def persist(deps: SubmitDeps, checked: Checked, decision: router.Route,
     accept (the deadline rule: scheduler/reconcile.py)."""
     req = checked.req
     payload = _payload(deps, checked, str(uuid.uuid4()), system)
-    job, created, turn = deps.store.create_job(
+    job, created, turn = deps.store.jobs.create_job(
         payload.job_id, checked.tenant.id, req.lane, decision.queue, checked.priority,
         req.session_id, asdict(_sampling(req)), checked.prompt_tokens,
         idempotency_key=checked.idempotency_key, lora=req.lora,
@@ -320,7 +320,7 @@ def _send(deps: SubmitDeps, job: JobRecord, send: Callable[[], None]) -> None:
         # from the row's payload (scheduler/reconcile.py).
         log.error("enqueue of job %s failed: %s", job.id, type(exc).__name__,
                   extra={"job_id": job.id, "lane": job.lane})
-        deps.store.delete_job(job.id)
+        deps.store.jobs.delete_job(job.id)
         raise unavailable("the job queue is unavailable; retry later") from None
 
 

@@ -16,6 +16,7 @@ from api.deps import Deps, check_headers, check_job_id
 from api.errors import not_found, unavailable
 from store.webhooks import DeliveryRecord, Webhooks, shown
 from tidegate import sealing
+from tidegate.records import DeliveryStatus
 
 log = logging.getLogger("tidegate.api")
 
@@ -28,7 +29,7 @@ def install(app: FastAPI, deps: Deps) -> None:
     async def deliveries(job_id: str, request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
         job_id = check_job_id(job_id)
-        job = await asyncio.to_thread(deps.store.get_job, job_id, tenant.id)
+        job = await asyncio.to_thread(deps.store.jobs.get_job, job_id, tenant.id)
         if job is None:
             raise not_found("job")
         rows = await asyncio.to_thread(hooks.of_job, job_id, tenant.id)
@@ -61,7 +62,8 @@ def delivery_json(d: DeliveryRecord) -> dict[str, Any]:
 
     return {"id": d.id, "url": d.url, "status": d.status, "attempts": d.attempts,
             "created_at": at(d.created_at), "delivered_at": at(d.delivered_at),
-            "next_attempt_at": at(d.next_attempt_at) if d.status == "pending" else None,
+            "next_attempt_at": (at(d.next_attempt_at) if d.status == DeliveryStatus.PENDING
+                                else None),
             "last_error": shown(d.last_error),
             "log": [{"attempt": a.attempt, "at": at(a.at), "status_code": a.status_code,
                      "error": shown(a.error), "duration_ms": round(a.duration_ms, 1)}

@@ -543,7 +543,7 @@ def stored_outputs(db_url: str, jobs: list[Job]) -> dict[str, tuple[str, str, in
 
     store, out = Store(db_url), {}
     for job in jobs:
-        if job.job_id and (row := store.get_job(job.job_id)) is not None:
+        if job.job_id and (row := store.jobs.get_job(job.job_id)) is not None:
             out[job.job_id] = (row.status, row.output_text or "", row.completion_tokens)
     return out
 
@@ -628,7 +628,7 @@ def chaos_stack(tmp: Path, pg: PgCluster) -> Iterator[Stack]:
     from store import Store, upgrade
 
     upgrade(pg.url)
-    _, key = Store(pg.url).create_tenant("chaos", [LANE])
+    _, key = Store(pg.url).tenants.create_tenant("chaos", [LANE])
     redis_port = free_port()
     env = {**tidegate_env(pg.url, slots=64),
            "TIDEGATE_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",

@@ -119,7 +119,7 @@ def main() -> int:
     started = time.monotonic()
     db_url = f"sqlite:///{tmp / 'tidegate.db'}"
     upgrade(db_url)
-    _, key = Store(db_url).create_tenant("bench", [LANE])
+    _, key = Store(db_url).tenants.create_tenant("bench", [LANE])
     env = tidegate_env(db_url, slots=16)
     with running_stack(env, [], logs, private_redis=True, timeout_s=60) as stack:
         env["TIDEGATE_REDIS_URL"] = stack.redis_url or ""

@@ -134,7 +134,7 @@ def stack(tmp: Path, fair: bool) -> Iterator[Stack]:
     with bench_database(tmp / name, postgresql=True) as db_url:
         upgrade(db_url)
         store = Store(db_url)
-        tenants = {who: store.create_tenant(who, [LANE]) for who in ("quiet", "flood")}
+        tenants = {who: store.tenants.create_tenant(who, [LANE]) for who in ("quiet", "flood")}
         env = {**tidegate_env(db_url, SLOTS), **ENV,
                "TIDEGATE_FAIR_QUEUING": "true" if fair else "false"}
         specs = [WorkerSpec(LANE, f"sim-{name}@fairness", pool="vllm", engine="sim")]
@@ -178,7 +178,7 @@ def aware(t: datetime) -> datetime:
 def started(s: Stack, who: str) -> list[tuple[datetime, int]]:
     """When each of the tenant's jobs started, and the tokens it asked for (its cost)."""
     return sorted((aware(j.started_at), j.prompt_tokens + int(j.sampling["max_tokens"]))
-                  for j in s.store.jobs_of_tenant(s.ids[who], limit=100_000)
+                  for j in s.store.jobs.jobs_of_tenant(s.ids[who], limit=100_000)
                   if j.started_at is not None)
 
 
@@ -186,7 +186,7 @@ async def wait_idle(s: Stack, who: str, timeout_s: float = 300.0) -> None:
     """Until none of the tenant's jobs is queued or running."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        jobs = s.store.jobs_of_tenant(s.ids[who], limit=100_000)
+        jobs = s.store.jobs.jobs_of_tenant(s.ids[who], limit=100_000)
         if all(j.status not in ("queued", "running") for j in jobs):
             return
         await asyncio.sleep(0.5)
@@ -195,7 +195,7 @@ async def wait_idle(s: Stack, who: str, timeout_s: float = 300.0) -> None:
 
 async def cancel_waiting(s: Stack, who: str) -> int:
     """Cancels the tenant's queued jobs (the flood's backlog after a phase)."""
-    queued = [j.id for j in s.store.jobs_of_tenant(s.ids[who], limit=100_000)
+    queued = [j.id for j in s.store.jobs.jobs_of_tenant(s.ids[who], limit=100_000)
               if j.status == "queued"]
     async with http_client(s.base) as http:
         gate = asyncio.Semaphore(32)

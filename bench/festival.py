@@ -224,8 +224,8 @@ def write_history(db_url: str, replay: Replay, rng: np.random.Generator) -> int:
                                      rng.poisson(replay.rates[lane] * per_min_s, hi - lo),
                                      strict=True):
                     if n:
-                        store.record_arrivals(lane, replay.at(minute) + timedelta(days=day),
-                                              int(n))
+                        store.traffic.record_arrivals(lane, replay.at(minute) + timedelta(days=day),
+                                                      int(n))
                         rows += 1
     finally:
         store.engine.dispose()
@@ -471,7 +471,7 @@ def run_once(spec: RunSpec, replay: Replay, args: argparse.Namespace, tmp: Path)
     with bench_database(tmp, not args.sqlite) as db_url, contextlib.ExitStack() as stop:
         upgrade(db_url)
         store = Store(db_url)
-        _, key = store.create_tenant("festival", list(LANES))
+        _, key = store.tenants.create_tenant("festival", list(LANES))
         store.engine.dispose()
         history = write_history(db_url, replay, np.random.default_rng(SEED + 1))
         log(f"{spec.name}: {history} minutes of history in the store")

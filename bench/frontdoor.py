@@ -589,7 +589,7 @@ def read_worker_ttfts(db_url: str, traces: Sequence[JobTrace]) -> None:
     store = Store(db_url)
     try:
         for trace in traces:
-            job = store.get_job(trace.job_id) if trace.job_id else None
+            job = store.jobs.get_job(trace.job_id) if trace.job_id else None
             if job is not None and job.ttft_ms is not None:
                 trace.worker_ttft_ms = job.ttft_ms
     finally:
@@ -775,7 +775,7 @@ def frontdoor_stack(tmp: Path, cfg: Config) -> Iterator[Bench]:
     with bench_database(tmp, cfg.postgresql) as db_url, ExitStack() as cleanup:
         upgrade(db_url)
         store = Store(db_url)
-        tenant, key = store.create_tenant("frontdoor", [cfg.lane])
+        tenant, key = store.tenants.create_tenant("frontdoor", [cfg.lane])
         store.engine.dispose()
         env = {**tidegate_env(db_url, cfg.slots), **UNCAPPED, "TIDEGATE_SIM_PROFILE": cfg.profile}
         cluster = None
@@ -809,7 +809,7 @@ def wait_idle(bench: Bench, timeout_s: float = DRAIN_TIMEOUT_S) -> int:
     store = Store(bench.db_url)
     try:
         end = time.monotonic() + timeout_s
-        while (left := store.count_in_flight(bench.tenant_id)) and time.monotonic() < end:
+        while (left := store.jobs.count_in_flight(bench.tenant_id)) and time.monotonic() < end:
             time.sleep(0.5)
         return left
     finally:

@@ -330,8 +330,8 @@ def noisy_stack(tmp: Path, cfg: Config) -> Iterator[Bench]:
     with bench_database(tmp, cfg.postgresql) as db_url:
         upgrade(db_url)
         store = Store(db_url)
-        victim, victim_key = store.create_tenant("victim", [VICTIM_LANE, "batch"])
-        _, hostile_key = store.create_tenant("hostile", [HOSTILE_LANE, "batch"])
+        victim, victim_key = store.tenants.create_tenant("victim", [VICTIM_LANE, "batch"])
+        _, hostile_key = store.tenants.create_tenant("hostile", [HOSTILE_LANE, "batch"])
         store.engine.dispose()
         env = {**tidegate_env(db_url, cfg.slots), **SETTINGS}
         with running_stack(env, specs, tmp / "logs", private_redis=True,
@@ -349,7 +349,7 @@ def in_flight(bench: Bench) -> int:
 
     store = Store(bench.db_url)
     try:
-        return store.count_in_flight(bench.victim_id)
+        return store.jobs.count_in_flight(bench.victim_id)
     finally:
         store.engine.dispose()
 

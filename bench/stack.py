@@ -256,7 +256,7 @@ def tidegate_stack(tmp: Path, workers: Mapping[str, str] | Sequence[tuple[str, s
              for i, (lane, name) in enumerate(pairs)]
     with bench_database(tmp, postgresql) as db_url:
         upgrade(db_url)
-        _, key = Store(db_url).create_tenant(
+        _, key = Store(db_url).tenants.create_tenant(
             "bench", sorted({lane for lane, _ in pairs} | set(lanes)))
         full_env = {**tidegate_env(db_url, slots), **(env or {})}
         with running_stack(full_env, specs, tmp / "logs", private_redis=True,

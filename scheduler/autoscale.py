@@ -62,7 +62,8 @@ def flush_arrivals(client: Any, store: Store, settings: Settings) -> int:
             continue
         count = client.getdel(key)
         if count:
-            store.record_arrivals(lane, datetime.fromtimestamp(minute * 60, UTC), int(count))
+            at = datetime.fromtimestamp(minute * 60, UTC)
+            store.traffic.record_arrivals(lane, at, int(count))
             moved += int(count)
     return moved
 
@@ -106,11 +107,11 @@ def lane_plan(store: Store, lane: Lane, views: list[WorkerView], now: datetime,
     if not prewarm:  # reactive: what the last complete minutes brought
         until = minute_of(now)
         since = until - REACTIVE_WINDOW_MIN * MINUTE
-        arrived = sum(n for _, n in store.arrivals(lane.name, since, until))
+        arrived = sum(n for _, n in store.traffic.arrivals(lane.name, since, until))
         rate = arrived / REACTIVE_WINDOW_MIN * per_s
         want = workers(rate)
         return LanePlan(want, want, rate, rate, rate)
-    history = dict(store.arrivals(lane.name, now - HISTORY, now))
+    history = dict(store.traffic.arrivals(lane.name, now - HISTORY, now))
     windows = windows_of(lane)
     expected = forecast(history, now, HORIZON_MIN, windows)
     ahead = now + timedelta(seconds=lead_s + tick_s)

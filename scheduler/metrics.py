@@ -81,7 +81,7 @@ class SchedulerCollector(Collector):
     def _in_flight(self) -> Metric:
         gauge = GaugeMetricFamily("tidegate_jobs_in_flight", "Jobs queued or running, from "
                                   "the store", labels=["lane", "status"])
-        counts = self.store.in_flight_by_lane()
+        counts = self.store.jobs.in_flight_by_lane()
         for lane in self.settings.lanes:
             for status in sorted(ACTIVE_STATUSES):
                 gauge.add_metric([lane, status.value], counts.get((lane, status.value), 0))

@@ -63,7 +63,7 @@ from typing import Any
 from celery import Celery
 
 from scheduler import router
-from store import CANCELLED, ERROR, JobRecord, Store
+from store import JobRecord, Store
 from tasks.app import queue_lengths, send_generate
 from tasks.payloads import GeneratePayload
 from tasks.recovery import (
@@ -80,7 +80,7 @@ from tidegate.events import Event, Kind
 from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue, redis_priority
 from tidegate.locks import RedisLock, new_token
-from tidegate.records import ACTIVE_STATUSES, Heartbeat, WorkerState
+from tidegate.records import ACTIVE_STATUSES, Heartbeat, JobStatus, WorkerState
 from tidegate.settings import Settings
 
 log = logging.getLogger("tidegate.reconcile")
@@ -132,9 +132,9 @@ def reconcile(app: Celery, client: Any, store: Store, settings: Settings) -> dic
 
 def _reconcile(run: Pass) -> list[dict[str, Any]]:
     before = datetime.fromtimestamp(run.now - run.settings.reconcile_grace_s, UTC)
-    queues = run.store.unended_queues(keys.direct_queue(run.ns, ""))
+    queues = run.store.jobs.unended_queues(keys.direct_queue(run.ns, ""))
     actions = _move_stranded(run, set(queues))
-    jobs = run.store.unended_jobs(before, RECONCILE_BATCH)
+    jobs = run.store.jobs.unended_jobs(before, RECONCILE_BATCH)
     leased = _leased(run, [job.id for job in jobs])
     lacking = [job for job in jobs if job.id not in leased]
     present = _queued_ids(run) if any(j.status in ACTIVE_STATUSES for j in lacking) else set()
@@ -150,7 +150,7 @@ def _orphaned(job: JobRecord, present: set[str] | None) -> bool:
     """A job with no lease is orphaned when cancelled (its worker is gone: the lease is
     what a live attempt holds) or when no message of it is queued; when the queues were
     too long to read (present is None), a queued or running job is not judged."""
-    if job.status == CANCELLED:
+    if job.status == JobStatus.CANCELLED:
         return True
     return present is not None and job.id not in present
 
@@ -283,9 +283,9 @@ def _act(run: Pass, job: JobRecord) -> dict[str, Any] | None:
 
 
 def _decide(run: Pass, job: JobRecord) -> dict[str, Any] | None:
-    if job.status == CANCELLED:
+    if job.status == JobStatus.CANCELLED:
         return _end_cancelled(run, job)
-    payload = run.store.job_payload(job.id)
+    payload = run.store.jobs.job_payload(job.id)
     if payload is None:
         return _end_lost(run, job, "its message was lost, and no payload was kept to send "
                          "it again")
@@ -305,8 +305,8 @@ def _send_again(run: Pass, job: JobRecord, body: GeneratePayload) -> dict[str, A
              **capabilities.output_needs(body.guided, body.tool_parse)}
     queue, why = _route(run, job, needs)
     send_generate(run.app, body, queue, redis_priority(job.priority))
-    run.store.note_requeue(job.id, queue, f"sent again by the reconciler (no message, no "
-                           f"lease): {why}")
+    run.store.jobs.note_requeue(job.id, queue, f"sent again by the reconciler (no message, no "
+                                f"lease): {why}")
     return {"action": "requeue", "job_id": job.id, "status": job.status, "queue": queue}
 
 
@@ -316,7 +316,8 @@ def _route(run: Pass, job: JobRecord, needs: dict[str, str]) -> tuple[str, str]:
     lane = run.settings.lanes[job.lane]
     views = [router.WorkerView.from_heartbeat(hb) for hb in run.fleet]
     backlog = queue_lengths(run.client, [pool_queue(lane, pool) for pool in lane.pools])
-    session = run.store.get_session(job.session_id, job.tenant_id) if job.session_id else None
+    session = (run.store.sessions.get_session(job.session_id, job.tenant_id)
+               if job.session_id else None)
     sticky = session.last_worker if session and run.settings.session_affinity else None
     try:
         route = router.route(lane, views, backlog, lambda n: keys.direct_queue(run.ns, n),
@@ -328,7 +329,7 @@ def _route(run: Pass, job: JobRecord, needs: dict[str, str]) -> tuple[str, str]:
 
 
 def _end_expired(run: Pass, job: JobRecord) -> dict[str, Any] | None:
-    if not run.store.expire_job(job.id):
+    if not run.store.runs.expire_job(job.id):
         return None
     _write_end(run, job.id, "error", {"code": "deadline_exceeded",
                                       "message": "the job's deadline passed"})
@@ -336,7 +337,7 @@ def _end_expired(run: Pass, job: JobRecord) -> dict[str, Any] | None:
 
 
 def _end_lost(run: Pass, job: JobRecord, why: str) -> dict[str, Any] | None:
-    if not run.store.finish_job(job.id, ERROR, error=why):
+    if not run.store.runs.end_job(job.id, JobStatus.ERROR, error=why)[0]:
         return None
     _write_end(run, job.id, "error", {"code": "lost", "message": f"the job was lost: {why}"})
     return {"action": "lost", "job_id": job.id, "status": job.status}
@@ -346,8 +347,8 @@ def _end_cancelled(run: Pass, job: JobRecord) -> dict[str, Any]:
     """The end its dead worker did not write: the row's finish (with the tokens its
     stream holds), then the `done` event."""
     text, token_ids = _stream_tokens(run, job.id)
-    run.store.finish_job(job.id, CANCELLED, finish_reason="cancelled", output_text=text,
-                         completion_tokens=len(token_ids))
+    run.store.runs.end_job(job.id, JobStatus.CANCELLED, finish_reason="cancelled",
+                           output_text=text, completion_tokens=len(token_ids))
     _write_end(run, job.id, "done", {
         "finish_reason": "cancelled",
         "usage": {"prompt_tokens": job.prompt_tokens, "completion_tokens": len(token_ids)}})

@@ -1,52 +1,25 @@
 """The bottom layer: SQLAlchemy models and the Store that reads and writes them.
 
-Imports nothing of the project; callers pass the database URL.
+Imports nothing of the project but its core (tidegate); callers pass the database URL.
+Job statuses are tidegate.records.JobStatus.
 """
 
-from store.db import (
-    MIGRATIONS_DIR,
-    FirstToken,
-    Store,
-    alembic_config,
-    hash_key,
-    upgrade,
-    utcnow,
-)
+from store.clock import utcnow
+from store.db import MIGRATIONS_DIR, Store, alembic_config, upgrade
 from store.engine import make_engine, normalize_url
-from store.models import (
-    ACTIVE_STATUSES,
-    CANCELLED,
-    DONE,
-    ERROR,
-    EXPIRED,
-    JOB_STATUSES,
-    QUEUED,
-    RUNNING,
-    TERMINAL_STATUSES,
-    Base,
-    ChatSession,
-    Job,
-    Tenant,
-)
+from store.models import Base, ChatSession, Job, Tenant
 from store.records import (
     JobRecord,
     SessionRecord,
     TenantExistsError,
     TenantRecord,
 )
+from store.runs import FirstToken
+from store.tenants import hash_key
 
 __all__ = [
-    "ACTIVE_STATUSES",
-    "CANCELLED",
-    "DONE",
-    "ERROR",
     "FirstToken",
-    "EXPIRED",
-    "JOB_STATUSES",
     "MIGRATIONS_DIR",
-    "QUEUED",
-    "RUNNING",
-    "TERMINAL_STATUSES",
     "Base",
     "ChatSession",
     "Job",

@@ -17,14 +17,19 @@ from typing import Any
 
 from sqlalchemy import delete, func, insert, select, update
 
-from store.db import Store, utcnow
+from store.clock import utcnow
+from store.database import Database
 from store.models import Batch, File, FilePart, Job, Tenant, WebhookDelivery
 from store.records import JobRecord, TenantRecord, job_record, tenant_record
+from tidegate.records import (
+    ENDED_BATCH_STATUSES,
+    OPEN_BATCH_STATUSES,
+    BatchStatus,
+    DeliveryStatus,
+)
 
-OPEN_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-ENDED_STATUSES = ("completed", "failed", "expired", "cancelled")
 # A batch's end, as the event its tenant's webhook is sent (OpenAI's names).
-BATCH_EVENTS = {status: f"batch.{status}" for status in ENDED_STATUSES}
+BATCH_EVENTS = {status: f"batch.{status}" for status in ENDED_BATCH_STATUSES}
 # Every file id this store hands out; anything else is no file, answered without a query
 # (PostgreSQL refuses a NUL in a string parameter with an error, not an empty result).
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
@@ -66,7 +71,7 @@ class Deletion:
 class BatchRecord:
     id: str
     tenant_id: int
-    status: str
+    status: BatchStatus
     endpoint: str
     completion_window: str
     input_file_id: str
@@ -104,21 +109,22 @@ def _file(row: File) -> FileRecord:
 def _batch(row: Batch) -> BatchRecord:
     values = {name: getattr(row, name) for name in _BATCH_FIELDS}
     values["line_errors"] = list(row.line_errors or [])
+    values["status"] = BatchStatus(row.status)
     return BatchRecord(**values)
 
 
 class Batches:
     """Files and batches, on a Store's engine and transactions."""
 
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     # -- files ---------------------------------------------------------------------
 
     def create_file(self, tenant_id: int, purpose: str, filename: str, content: str,
                     expires_after_s: float | None = None) -> FileRecord:
         """A file written by the system (a batch's output): never refused by a quota."""
-        with self.store._write() as session:
+        with self.db.write() as session:
             return self._add_file(session, tenant_id, purpose, filename, content,
                                   len(content.encode()), expires_after_s)
 
@@ -128,7 +134,7 @@ class Batches:
         pass ("files", "bytes"). The count and the insert share one transaction under the
         tenant's row lock (PostgreSQL; SQLite's write lock), so concurrent uploads cannot
         pass a quota together."""
-        with self.store._write() as session:
+        with self.db.write() as session:
             session.execute(select(Tenant.id).where(Tenant.id == tenant_id).with_for_update())
             count, stored = session.execute(
                 select(func.count(), func.coalesce(func.sum(File.bytes), 0))
@@ -156,7 +162,7 @@ class Batches:
     def get_file(self, file_id: str, tenant_id: int) -> FileRecord | None:
         if not FILE_ID.fullmatch(file_id):
             return None
-        with self.store._read() as session:
+        with self.db.read() as session:
             row = session.get(File, file_id)
             return _file(row) if row is not None and row.tenant_id == tenant_id else None
 
@@ -165,7 +171,7 @@ class Batches:
         a file, `file_parts`."""
         if not FILE_ID.fullmatch(file_id):
             return None
-        with self.store._read() as session:
+        with self.db.read() as session:
             row = session.get(File, file_id)
             if row is None or row.tenant_id != tenant_id:
                 return None
@@ -179,7 +185,7 @@ class Batches:
         a response then ends short of its Content-Length, and the client sees it cut."""
         seq = 0
         while True:
-            with self.store._read() as session:
+            with self.db.read() as session:
                 text = session.scalar(select(FilePart.text).where(FilePart.file_id == file_id,
                                                                   FilePart.seq == seq))
             if text is None:
@@ -193,13 +199,13 @@ class Batches:
         purge never see it half gone."""
         if not FILE_ID.fullmatch(file_id):
             return Deletion(found=False)
-        with self.store._write() as session:
+        with self.db.write() as session:
             row = session.execute(select(File.tenant_id).where(File.id == file_id)
                                   .with_for_update()).first()
             if row is None or row.tenant_id != tenant_id:
                 return Deletion(found=False)
             user = session.scalar(select(Batch.id).where(Batch.input_file_id == file_id,
-                                                         Batch.status.in_(OPEN_STATUSES))
+                                                         Batch.status.in_(OPEN_BATCH_STATUSES))
                                   .limit(1))
             if user is not None:
                 return Deletion(found=True, in_use_by=user)
@@ -214,7 +220,7 @@ class Batches:
         stmt = select(File).where(File.tenant_id == tenant_id)
         if purpose is not None:
             stmt = stmt.where(File.purpose == purpose)
-        with self.store._read() as session:
+        with self.db.read() as session:
             if after is not None:
                 mark = session.get(File, after) if FILE_ID.fullmatch(after) else None
                 if mark is None or mark.tenant_id != tenant_id:  # never another's place
@@ -231,9 +237,9 @@ class Batches:
 
     def open_batch_count(self, tenant_id: int) -> int:
         """The tenant's batches not ended (TIDEGATE_TENANT_MAX_OPEN_BATCHES bounds them)."""
-        with self.store._read() as session:
+        with self.db.read() as session:
             return int(session.scalar(select(func.count()).select_from(Batch).where(
-                Batch.tenant_id == tenant_id, Batch.status.in_(OPEN_STATUSES))) or 0)
+                Batch.tenant_id == tenant_id, Batch.status.in_(OPEN_BATCH_STATUSES))) or 0)
 
     # -- batches -------------------------------------------------------------------
 
@@ -243,17 +249,17 @@ class Batches:
                      output_expires_after_s: int | None = None) -> BatchRecord:
         now = utcnow()
         row = Batch(id=f"batch_{secrets.token_hex(12)}", tenant_id=tenant_id,
-                    status="validating", endpoint=endpoint, completion_window=window_name,
+                    status=BatchStatus.VALIDATING, endpoint=endpoint, completion_window=window_name,
                     input_file_id=input_file_id, total=total, submitted=0, completed=0,
                     failed=0, line_errors=[], meta=meta, created_at=now,
                     expires_at=now + window, output_expires_after_s=output_expires_after_s)
-        with self.store._write() as session:
+        with self.db.write() as session:
             session.add(row)
             session.flush()
             return _batch(row)
 
     def get_batch(self, batch_id: str, tenant_id: int | None = None) -> BatchRecord | None:
-        with self.store._read() as session:
+        with self.db.read() as session:
             row = session.get(Batch, batch_id)
             if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
                 return None
@@ -263,42 +269,42 @@ class Batches:
         """The tenant's batches, newest first; `after`: the last id of the page before."""
         stmt = select(Batch).where(Batch.tenant_id == tenant_id)
         if after is not None:
-            with self.store._read() as session:
+            with self.db.read() as session:
                 mark = session.get(Batch, after)
             if mark is not None and mark.tenant_id == tenant_id:  # never another's place
                 stmt = stmt.where((Batch.created_at < mark.created_at)
                                   | ((Batch.created_at == mark.created_at) & (Batch.id < after)))
         stmt = stmt.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit)
-        with self.store._read() as session:
+        with self.db.read() as session:
             return [_batch(row) for row in session.scalars(stmt)]
 
     def open_batches(self) -> list[BatchRecord]:
-        stmt = select(Batch).where(Batch.status.in_(OPEN_STATUSES)).order_by(Batch.created_at)
-        with self.store._read() as session:
+        stmt = select(Batch).where(Batch.status.in_(OPEN_BATCH_STATUSES)).order_by(Batch.created_at)
+        with self.db.read() as session:
             return [_batch(row) for row in session.scalars(stmt)]
 
-    def update_batch(self, batch_id: str, expect: tuple[str, ...] | None = None,
-                     **values: Any) -> BatchRecord | None:
+    def update_batch(self, batch_id: str, expect: tuple[BatchStatus, ...] | None = None,
+                     **values: object) -> BatchRecord | None:
         """Write `values`; with `expect`, only while the batch's status is one of them (a
         cancel and the driver race on it). None when nothing was written."""
         stmt = update(Batch).where(Batch.id == batch_id)
         if expect is not None:
             stmt = stmt.where(Batch.status.in_(expect))
-        with self.store._write() as session:
+        with self.db.write() as session:
             if session.execute(stmt.values(**values)).rowcount == 0:  # type: ignore[attr-defined]
                 return None
             row = session.get(Batch, batch_id)
             return _batch(row) if row is not None else None
 
-    def end_batch(self, batch_id: str, status: str, **values: Any) -> BatchRecord | None:
-        """The batch's end (`status`, one of ENDED_STATUSES), written once: its webhook
+    def end_batch(self, batch_id: str, status: BatchStatus, **values: object) -> BatchRecord | None:
+        """The batch's end (`status`, one of ENDED_BATCH_STATUSES), written once: its webhook
         (`batch.<status>`, to the tenant's webhook URL, if it has one) goes into the outbox
         in the same transaction, so an ended batch's webhook is never lost nor sent twice
         (tasks/webhooks.py sends it). None when the batch had ended already."""
         now = utcnow()
-        with self.store._write() as session:
+        with self.db.write() as session:
             done = session.execute(update(Batch).where(Batch.id == batch_id,
-                                                       Batch.status.in_(OPEN_STATUSES))
+                                                       Batch.status.in_(OPEN_BATCH_STATUSES))
                                    .values(status=status, **values))
             if done.rowcount == 0:  # type: ignore[attr-defined]
                 return None
@@ -309,7 +315,8 @@ class Batches:
             if url:
                 session.add(WebhookDelivery(
                     id=f"msg_{secrets.token_hex(12)}", job_id=None, event=BATCH_EVENTS[status],
-                    batch_id=batch_id, tenant_id=row.tenant_id, url=url, status="pending",
+                    batch_id=batch_id, tenant_id=row.tenant_id, url=url,
+                    status=DeliveryStatus.PENDING,
                     attempts=0, next_attempt_at=now, created_at=now))
             session.flush()
             return _batch(row)
@@ -319,7 +326,7 @@ class Batches:
         prefix = f"{batch_id}:"
         wanted = [f"{prefix}{i}" for i in range(lines)]
         found: dict[int, JobRecord] = {}
-        with self.store._read() as session:
+        with self.db.read() as session:
             for start in range(0, len(wanted), 500):  # bound the IN list
                 stmt = select(Job).where(Job.tenant_id == tenant_id,
                                          Job.idempotency_key.in_(wanted[start:start + 500]))
@@ -328,6 +335,6 @@ class Batches:
         return found
 
     def tenant(self, tenant_id: int) -> TenantRecord | None:
-        with self.store._read() as session:
+        with self.db.read() as session:
             row = session.get(Tenant, tenant_id)
             return tenant_record(row) if row is not None and row.revoked_at is None else None

@@ -30,12 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from tidegate.records import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatus  # noqa: F401
-
-# The statuses are tidegate.records.JobStatus; the store's modules use these short names.
-QUEUED, RUNNING, DONE = JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.DONE
-ERROR, CANCELLED, EXPIRED = JobStatus.ERROR, JobStatus.CANCELLED, JobStatus.EXPIRED
-JOB_STATUSES = tuple(JobStatus)
+from tidegate.records import JobStatus
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",

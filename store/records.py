@@ -11,8 +11,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from store.models import TERMINAL_STATUSES, ChatSession, Job, Tenant, TrafficSample
-from tidegate.records import JobStatus
+from store.models import ChatSession, Job, Tenant, TrafficSample
+from tidegate.records import TERMINAL_STATUSES, JobStatus
 
 
 class TenantExistsError(ValueError):

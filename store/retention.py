@@ -13,17 +13,17 @@ from datetime import datetime
 
 from sqlalchemy import ColumnElement, Select, and_, delete, not_, or_, select, update
 
-from store.batches import OPEN_STATUSES
-from store.db import Store
+from store.database import Database
 from store.models import Batch, File, FilePart, Job, WebhookDelivery
-from store.webhooks import PENDING, SENDING
+from store.webhooks import WAITING_STATUSES
+from tidegate.records import OPEN_BATCH_STATUSES
 
 BATCH = 500  # rows per transaction
 
 
 class Retention:
-    def __init__(self, store: Store) -> None:
-        self.store = store
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def purge_job_text(self, cutoff: datetime) -> int:
         """Clears the output text (and any payload left: the prompt) of jobs that ended
@@ -32,7 +32,7 @@ class Retention:
         not delivered yet (its body is read from the row when it is sent)."""
         purged = 0
         while True:
-            with self.store._write() as session:
+            with self.db.write() as session:
                 ids = list(session.scalars(self._text_due(cutoff)))
                 if ids:
                     session.execute(update(Job).where(Job.id.in_(ids))
@@ -48,7 +48,7 @@ class Retention:
                        # job_id IS NOT NULL: a batch's delivery has none, and one NULL
                        # in a NOT IN list makes it match no row at all.
                        Job.id.not_in(select(WebhookDelivery.job_id).where(
-                           WebhookDelivery.status.in_((PENDING, SENDING)),
+                           WebhookDelivery.status.in_(WAITING_STATUSES),
                            WebhookDelivery.job_id.is_not(None))))
                 .order_by(Job.finished_at).limit(BATCH))
         for tenant_id, batch_id in self._open_batches():
@@ -56,9 +56,9 @@ class Retention:
         return stmt
 
     def _open_batches(self) -> list[tuple[int, str]]:
-        with self.store._read() as session:
+        with self.db.read() as session:
             rows = session.execute(select(Batch.tenant_id, Batch.id)
-                                   .where(Batch.status.in_(OPEN_STATUSES)))
+                                   .where(Batch.status.in_(OPEN_BATCH_STATUSES)))
             return [(row.tenant_id, row.id) for row in rows]
 
     def purge_files(self, now: datetime, input_cutoff: datetime,
@@ -67,7 +67,7 @@ class Retention:
         ended (it goes at the first purge after the batch's end). Rows from before
         migration 0013 have no `expires_at`: theirs counts from `created_at`, the upload
         to `input_cutoff`, a batch's output to `output_cutoff`."""
-        open_inputs = select(Batch.input_file_id).where(Batch.status.in_(OPEN_STATUSES))
+        open_inputs = select(Batch.input_file_id).where(Batch.status.in_(OPEN_BATCH_STATUSES))
         due = or_(File.expires_at <= now,
                   and_(File.expires_at.is_(None), File.purpose == "batch",
                        File.created_at <= input_cutoff),
@@ -76,7 +76,7 @@ class Retention:
         stmt = select(File.id).where(due, File.id.not_in(open_inputs)).limit(BATCH)
         purged = 0
         while True:
-            with self.store._write() as session:
+            with self.db.write() as session:
                 ids = list(session.scalars(stmt))
                 if ids:
                     session.execute(delete(FilePart).where(FilePart.file_id.in_(ids)))

@@ -23,12 +23,14 @@ from typing import Any, cast
 from sqlalchemy import BigInteger, Connection, Table, bindparam, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from store.models import CANCELLED, DONE, ERROR, EXPIRED, Tenant, UsageDay
+from store.database import Database
+from store.models import Tenant, UsageDay
+from tidegate.records import JobStatus
 
 USAGE = cast(Table, UsageDay.__table__)
 TOKEN_KINDS = ("prompt_tokens", "cached_tokens", "completion_tokens")
-JOB_COUNTS = {DONE: "jobs_done", ERROR: "jobs_error", CANCELLED: "jobs_cancelled",
-              EXPIRED: "jobs_expired"}
+JOB_COUNTS = {JobStatus.DONE: "jobs_done", JobStatus.ERROR: "jobs_error",
+              JobStatus.CANCELLED: "jobs_cancelled", JobStatus.EXPIRED: "jobs_expired"}
 COUNTED = (*TOKEN_KINDS, *JOB_COUNTS.values())
 _KEY = (USAGE.c.tenant_id, USAGE.c.day, USAGE.c.lane)
 
@@ -114,8 +116,8 @@ def metered_end(ended_update: Any) -> Any:
 class Usage:
     """Reads of the ledger: the usage endpoints (api/usage.py) and the monthly budget."""
 
-    def __init__(self, store: Any) -> None:
-        self.store = store  # store.db.Store (not imported: it imports this module)
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def days(self, start: date, end: date, tenant_id: int | None = None,
              lane: str | None = None) -> list[UsageRecord]:
@@ -127,7 +129,7 @@ class Usage:
         if lane is not None:
             stmt = stmt.where(USAGE.c.lane == lane)
         stmt = stmt.order_by(USAGE.c.day, Tenant.name, USAGE.c.lane)
-        with self.store._read_conn() as conn:
+        with self.db.read_conn() as conn:
             return [_record(row) for row in conn.execute(stmt).mappings()]
 
     def tokens_since(self, tenant_id: int, first_day: date) -> int:
@@ -135,7 +137,7 @@ class Usage:
         stmt = (select(func.coalesce(func.sum(USAGE.c.prompt_tokens + USAGE.c.completion_tokens),
                                      0).cast(BigInteger))
                 .where(USAGE.c.tenant_id == tenant_id, USAGE.c.day >= first_day))
-        with self.store._read_conn() as conn:
+        with self.db.read_conn() as conn:
             return int(conn.execute(stmt).scalar() or 0)
 
 

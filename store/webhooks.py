@@ -1,6 +1,6 @@
 """Webhooks in the store: tenants' signing secrets, deliveries and their attempts.
 
-A delivery is written in the transaction that ends its job (store/db.py `_ended`); here
+A delivery is written in the transaction that ends its job (store/runs.py `_ended`); here
 the dispatcher claims the due ones (and fails those past their give-up time), and the
 webhook worker begins, defers or records each attempt (tasks/webhooks.py).
 
@@ -20,11 +20,14 @@ from typing import Protocol
 
 from sqlalchemy import ColumnElement, func, or_, select, update
 
-from store.db import Store, utcnow
+from store.clock import utcnow
+from store.database import Database
 from store.models import Tenant, WebhookAttempt, WebhookDelivery, WebhookSecret
+from tidegate.records import DeliveryStatus
 
-PENDING, SENDING, DELIVERED, FAILED = "pending", "sending", "delivered", "failed"
 PLAIN_PREFIX = "whsec_"
+# Deliveries not delivered nor given up yet: due now, later, or claimed by a sender.
+WAITING_STATUSES = (DeliveryStatus.PENDING, DeliveryStatus.SENDING)
 
 
 class Outcome(StrEnum):
@@ -78,7 +81,7 @@ class DeliveryRecord:
     job_id: str | None  # None: a batch's event
     tenant_id: int
     url: str
-    status: str
+    status: DeliveryStatus
     attempts: int
     next_attempt_at: datetime
     created_at: datetime
@@ -91,7 +94,7 @@ class DeliveryRecord:
 
 def _delivery(row: WebhookDelivery, log: list[AttemptRecord] | None = None) -> DeliveryRecord:
     return DeliveryRecord(id=row.id, job_id=row.job_id, tenant_id=row.tenant_id, url=row.url,
-                          status=row.status, attempts=row.attempts,
+                          status=DeliveryStatus(row.status), attempts=row.attempts,
                           next_attempt_at=row.next_attempt_at, created_at=row.created_at,
                           delivered_at=row.delivered_at, last_error=row.last_error,
                           log=log or [], event=row.event, batch_id=row.batch_id)
@@ -103,8 +106,8 @@ def _live(tenant_id: int, now: datetime) -> tuple[ColumnElement[bool], ...]:
 
 
 class Webhooks:
-    def __init__(self, store: Store, sealer: Sealer | None = None) -> None:
-        self.store = store
+    def __init__(self, db: Database, sealer: Sealer | None = None) -> None:
+        self.db = db
         self.sealer = sealer  # needed for secrets only
 
     # -- secrets -------------------------------------------------------------------
@@ -116,7 +119,7 @@ class Webhooks:
         now = utcnow()
         secret = PLAIN_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
         sealed = self._sealer().encrypt(secret.encode()).decode("ascii")
-        with self.store._write() as session:
+        with self.db.write() as session:
             session.execute(update(WebhookSecret)
                             .where(WebhookSecret.tenant_id == tenant_id,
                                    or_(WebhookSecret.expires_at.is_(None),
@@ -137,7 +140,7 @@ class Webhooks:
         Raises the sealer's InvalidToken for a secret no key of this process opens."""
         stmt = (select(WebhookSecret.secret).where(*_live(tenant_id, utcnow()))
                 .order_by(WebhookSecret.id.desc()))
-        with self.store._read() as session:
+        with self.db.read() as session:
             stored = list(session.scalars(stmt))
         return [self._open(value) for value in stored]
 
@@ -148,7 +151,7 @@ class Webhooks:
 
     def seal_plain(self) -> int:
         """Seals the secrets stored before sealing; returns how many."""
-        with self.store._write() as session:
+        with self.db.write() as session:
             rows = list(session.scalars(select(WebhookSecret).where(
                 WebhookSecret.secret.startswith(PLAIN_PREFIX, autoescape=True))))
             for row in rows:
@@ -161,7 +164,7 @@ class Webhooks:
         return self.sealer
 
     def set_tenant_url(self, name: str, url: str | None) -> bool:
-        with self.store._write() as session:
+        with self.db.write() as session:
             done = session.execute(update(Tenant).where(Tenant.name == name)
                                    .values(webhook_url=url))
             return bool(done.rowcount)  # type: ignore[attr-defined]
@@ -171,9 +174,9 @@ class Webhooks:
     def due_tenants(self) -> set[int]:
         """The tenants that have a delivery due now."""
         stmt = (select(WebhookDelivery.tenant_id).distinct()
-                .where(WebhookDelivery.status.in_((PENDING, SENDING)),
+                .where(WebhookDelivery.status.in_(WAITING_STATUSES),
                        WebhookDelivery.next_attempt_at <= utcnow()))
-        with self.store._read() as session:
+        with self.db.read() as session:
             return set(session.scalars(stmt))
 
     def claim_due(self, lease: timedelta, limit: int, give_up: timedelta | None = None,
@@ -186,7 +189,7 @@ class Webhooks:
         tenant's backlog cannot fill every claim ahead of another tenant's delivery. The
         due deliveries of `skip_tenants` (whose concurrency is full) stay as they are."""
         now = utcnow()
-        due = (WebhookDelivery.status.in_((PENDING, SENDING)),
+        due = (WebhookDelivery.status.in_(WAITING_STATUSES),
                WebhookDelivery.next_attempt_at <= now)
         stmt = select(WebhookDelivery).where(*due)
         if skip_tenants:
@@ -199,23 +202,24 @@ class Webhooks:
                 select(ranked.c.id).where(ranked.c.rank <= per_tenant)))
         stmt = (stmt.order_by(WebhookDelivery.next_attempt_at).limit(limit)
                 .with_for_update(skip_locked=True))
-        with self.store._write() as session:
+        with self.db.write() as session:
             if give_up is not None:
                 session.execute(update(WebhookDelivery)
                                 .where(*due, WebhookDelivery.created_at <= now - give_up)
-                                .values(status=FAILED, last_error=Outcome.GAVE_UP.value))
+                                .values(status=DeliveryStatus.FAILED,
+                                        last_error=Outcome.GAVE_UP.value))
             rows = list(session.scalars(stmt))
             for row in rows:
-                row.status, row.next_attempt_at = SENDING, now + lease
+                row.status, row.next_attempt_at = DeliveryStatus.SENDING, now + lease
             return [_delivery(row) for row in rows]
 
     def begin(self, delivery_id: str, lease: timedelta) -> DeliveryRecord | None:
         """The claimed delivery, its lease renewed from now for the attempt about to
         start; None when it is not claimed (delivered, failed, or recorded meanwhile by a
         duplicate of its task)."""
-        with self.store._write() as session:
+        with self.db.write() as session:
             row = session.get(WebhookDelivery, delivery_id, with_for_update=True)
-            if row is None or row.status != SENDING:
+            if row is None or row.status != DeliveryStatus.SENDING:
                 return None
             row.next_attempt_at = utcnow() + lease
             session.flush()
@@ -224,24 +228,25 @@ class Webhooks:
     def defer(self, delivery_id: str, until: datetime) -> bool:
         """A claimed delivery back to pending until `until`, with no attempt counted (a
         concurrency cap was full: it waits, it has not failed)."""
-        with self.store._write() as session:
+        with self.db.write() as session:
             done = session.execute(update(WebhookDelivery)
                                    .where(WebhookDelivery.id == delivery_id,
-                                          WebhookDelivery.status == SENDING)
-                                   .values(status=PENDING, next_attempt_at=until))
+                                          WebhookDelivery.status == DeliveryStatus.SENDING)
+                                   .values(status=DeliveryStatus.PENDING,
+                                           next_attempt_at=until))
             return bool(done.rowcount)  # type: ignore[attr-defined]
 
     def backlog(self) -> tuple[int, datetime | None]:
         """Deliveries not delivered nor given up yet (pending, or sending), and when the
         oldest of them was written (None: none wait)."""
         stmt = (select(func.count(), func.min(WebhookDelivery.created_at))
-                .where(WebhookDelivery.status.in_((PENDING, SENDING))))
-        with self.store._read() as session:
+                .where(WebhookDelivery.status.in_(WAITING_STATUSES)))
+        with self.db.read() as session:
             count, oldest = session.execute(stmt).one()
         return int(count), oldest
 
     def get(self, delivery_id: str) -> DeliveryRecord | None:
-        with self.store._read() as session:
+        with self.db.read() as session:
             row = session.get(WebhookDelivery, delivery_id)
             return _delivery(row) if row is not None else None
 
@@ -251,9 +256,10 @@ class Webhooks:
         `next_at`, or has failed for good (None)."""
         now = utcnow()
         ok = outcome == Outcome.SUCCESS
-        with self.store._write() as session:
+        with self.db.write() as session:
             row = session.get(WebhookDelivery, delivery_id, with_for_update=True)
-            if row is None or row.status in (DELIVERED, FAILED):
+            if row is None or row.status in (DeliveryStatus.DELIVERED,
+                                             DeliveryStatus.FAILED):
                 return None  # delivered meanwhile: a late duplicate's outcome is dropped
             row.attempts += 1
             session.add(WebhookAttempt(delivery_id=delivery_id, attempt=row.attempts, at=now,
@@ -261,16 +267,18 @@ class Webhooks:
                                        error=None if ok else outcome.value,
                                        duration_ms=duration_ms))
             if ok:
-                row.status, row.delivered_at, row.last_error = DELIVERED, now, None
+                row.status, row.delivered_at = DeliveryStatus.DELIVERED, now
+                row.last_error = None
             else:
                 row.last_error = outcome.value
-                row.status = PENDING if next_at is not None else FAILED
+                row.status = (DeliveryStatus.PENDING if next_at is not None
+                              else DeliveryStatus.FAILED)
                 row.next_attempt_at = next_at or now
             session.flush()
             return _delivery(row)
 
     def of_job(self, job_id: str, tenant_id: int) -> list[DeliveryRecord]:
-        with self.store._read() as session:
+        with self.db.read() as session:
             rows = list(session.scalars(
                 select(WebhookDelivery).where(WebhookDelivery.job_id == job_id,
                                               WebhookDelivery.tenant_id == tenant_id)

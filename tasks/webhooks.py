@@ -1,7 +1,7 @@
 """Webhooks: a job's end POSTed to its `callback_url`, signed as the Standard Webhooks
 specification says, by processes of their own (`tidegate webhooks`), never a GPU worker.
 
-    outbox      the transaction that ends a job writes its delivery (store/db.py `_ended`),
+    outbox      the transaction that ends a job writes its delivery (store/runs.py),
                 and so does the one that ends a batch (`batch.completed` and the like, to
                 the tenant's webhook URL: store/batches.py `end_batch`)
     dispatcher  a thread of each webhook process, one at a time (a period lock,
@@ -242,7 +242,7 @@ class Sender:
         if delivery.job_id is None:  # a batch's event: its body is the delivery's own
             body = batch_body(delivery)
         else:
-            job = self.store.get_job(delivery.job_id)
+            job = self.store.jobs.get_job(delivery.job_id)
             if job is None:
                 return Answer(Outcome.JOB_GONE)
             body = body_of(job)

@@ -82,7 +82,7 @@ def reconciling_scheduler(stack: Stack, log_path: Any, **env: str) -> Iterator[P
 
 def make_tenant(store: Store, name: str, lanes: list[str],
                 max_priority: int | None = None) -> tuple[int, str]:
-    tenant, key = store.create_tenant(name, lanes, max_priority=max_priority)
+    tenant, key = store.tenants.create_tenant(name, lanes, max_priority=max_priority)
     return tenant.id, key
 
 
@@ -287,7 +287,7 @@ def in_process_api(redis_server: str, db_path: Any, redis_db: int, tenant: str,
     redis_url = redis_server.rsplit("/", 1)[0] + f"/{redis_db}"
     settings = Settings(redis_url=redis_url, database_url=url)
     store = Store(url)
-    record, key = store.create_tenant(tenant, lanes)
+    record, key = store.tenants.create_tenant(tenant, lanes)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     try:

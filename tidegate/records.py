@@ -44,6 +44,38 @@ class JobStatus(StrEnum):
 ACTIVE_STATUSES = frozenset({JobStatus.QUEUED, JobStatus.RUNNING})
 TERMINAL_STATUSES = frozenset(set(JobStatus) - ACTIVE_STATUSES)
 
+
+class BatchStatus(StrEnum):
+    """A Batch API batch's status (OpenAI's names): `validating -> in_progress ->
+    finalizing -> completed`, or `failed`; a cancel, or the window's end, goes through
+    `cancelling` to `cancelled` or `expired`."""
+
+    VALIDATING = "validating"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    CANCELLING = "cancelling"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+
+# In the order a batch passes them (a tuple: the store's SQL lists them as they are).
+OPEN_BATCH_STATUSES = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS,
+                       BatchStatus.FINALIZING, BatchStatus.CANCELLING)
+ENDED_BATCH_STATUSES = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED,
+                        BatchStatus.CANCELLED)
+
+
+class DeliveryStatus(StrEnum):
+    """A webhook delivery's status: `pending -> sending -> delivered`, back to `pending`
+    after a failed attempt, or `failed` for good (store/webhooks.py)."""
+
+    PENDING = "pending"
+    SENDING = "sending"  # claimed by a sender until its lease ends
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
 # A worker process asking its supervisor (`tidegate worker`) for a fresh process exits
 # with this code; any other code ends the supervisor too.
 RESTART_EXIT = 75

@@ -52,20 +52,20 @@ def _tenant(args: argparse.Namespace) -> None:
         unknown = sorted(set(lanes) - set(get_settings().lanes))
         if unknown:
             sys.exit(f"tidegate tenant create: unknown lane(s) {', '.join(unknown)}")
-        tenant, key = store.create_tenant(args.name, lanes, requests_per_minute=args.rpm,
-                                          tokens_per_minute=args.tpm,
-                                          max_priority=args.max_priority)
+        tenant, key = store.tenants.create_tenant(args.name, lanes, requests_per_minute=args.rpm,
+                                                  tokens_per_minute=args.tpm,
+                                                  max_priority=args.max_priority)
         print(f"tenant {tenant.name} created; lanes: {','.join(tenant.lanes)}; limits: "
               f"{args.rpm or 'no'} requests/min, {args.tpm or 'no'} tokens/min")
         print(f"API key (shown once): {key}")
     elif args.tenant_cmd == "list":
         print(f"{'tenant':20} {'lanes':20} {'state':8} {'req/min':>8} {'tok/min':>8}")
-        for t in store.list_tenants():
+        for t in store.tenants.list_tenants():
             state = "revoked" if t.revoked_at else "active"
             print(f"{t.name:20} {','.join(t.lanes):20} {state:8} "
                   f"{t.requests_per_minute or '-':>8} {t.tokens_per_minute or '-':>8}")
     elif args.tenant_cmd == "revoke":
-        revoked = store.revoke_tenant(args.name)
+        revoked = store.tenants.revoke_tenant(args.name)
         if revoked:
             _announce()
         print("revoked" if revoked else f"no tenant named {args.name!r}")

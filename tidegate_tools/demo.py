@@ -110,7 +110,7 @@ async def burst(base: str, key: str, n: int = 32) -> None:
 
 
 def report(store: Store, tenant_id: int) -> None:
-    jobs = [j for j in store.jobs_of_tenant(tenant_id) if j.status == JobStatus.DONE]
+    jobs = [j for j in store.jobs.jobs_of_tenant(tenant_id) if j.status == JobStatus.DONE]
     print("\n| lane | jobs | queue wait p50 (ms) | TTFT p50 (ms) | TTFT max (ms) | TPOT p50 (ms) |")
     print("|---|---:|---:|---:|---:|---:|")
     for lane in sorted({j.lane for j in jobs}):
@@ -148,7 +148,7 @@ def main() -> None:
 
 def run_jobs(settings: Settings, base: str) -> None:
     store = Store(settings.db_url)
-    tenant, key = store.create_tenant(f"demo-{int(time.time())}", list(settings.lanes))
+    tenant, key = store.tenants.create_tenant(f"demo-{int(time.time())}", list(settings.lanes))
     with Client(base, key) as client:
         stream_one(client, "finance", FINANCE)
         stream_one(client, "chat", CHAT)

@@ -263,7 +263,7 @@ def run(settings: Settings, env: dict[str, str], logs: Path, redis: Proc | None)
         _, flower_url, login = start_flower_now(env, settings, logs, extra)
         say(f"ready after {time.monotonic() - started:.0f} s")
         print_parts(settings, redis, stack, specs, extra, flower_url)
-        tenant, key = Store(settings.db_url).create_tenant(f"up-{int(time.time())}",
+        tenant, key = Store(settings.db_url).tenants.create_tenant(f"up-{int(time.time())}",
                                                             list(settings.lanes))
         say(f"tenant {tenant.name} created, lanes {','.join(tenant.lanes)}")
         say(f"API key (shown once): {key}")

@@ -28,7 +28,7 @@ class Progress:
     started_at: datetime | None = None  # the row's, from the claim (for the TTFT)
     first_token_at: datetime | None = None  # the row's, when this attempt wrote it
     # When this attempt's first token went out, until the row has it: a job whose first
-    # token came with its end writes both in one statement (Store.end_job).
+    # token came with its end writes both in one statement (store.runs.end_job).
     first_token_out: datetime | None = None
     cached_tokens: int | None = None  # prompt tokens this attempt found in the prefix cache
     # time.monotonic() when the streamer last renewed the lease (with the job's last token

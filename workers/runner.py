@@ -191,7 +191,7 @@ def _ended(ctx: WorkerContext, payload: GeneratePayload) -> bool:
     """The wait for another attempt is over: the job ended. (Not its deadline: a live
     attempt ends a late job itself, and a dead one's lease expires, so the wait is bounded
     either way, and after a death this attempt must end the job.)"""
-    job = ctx.store.get_job(payload.job_id)
+    job = ctx.store.jobs.get_job(payload.job_id)
     return job is None or job.terminal
 
 
@@ -211,7 +211,7 @@ def _fail_unexpected(ctx: WorkerContext, job_id: str, lease: Lease) -> str:
 
 def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
                 opening: _Opening | None) -> str:
-    job = ctx.retry(ctx.store.claim_job, payload.job_id, ctx.name, ctx.host.engine.kind)
+    job = ctx.retry(ctx.store.runs.claim_job, payload.job_id, ctx.name, ctx.host.engine.kind)
     if job is None:
         log.info("job %s is already finished or unknown; skipping", payload.job_id)
         _complete_stream(ctx, payload, lease)
@@ -232,7 +232,8 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
             ctx.metrics.poisoned(payload.lane)
         return "poison"
     if payload.session_id:  # this worker's KV cache now holds the session's prefix
-        ctx.retry(ctx.store.set_session_worker, payload.session_id, job.tenant_id, ctx.name)
+        ctx.retry(ctx.store.sessions.set_session_worker, payload.session_id, job.tenant_id,
+                  ctx.name)
     if progress.seq == 0:
         started = {"worker": ctx.name, "engine": ctx.host.engine.kind, "attempt": job.attempts}
         if _batched(ctx):  # out with the streamer's next batch, with other jobs' events
@@ -250,7 +251,7 @@ def _complete_stream(ctx: WorkerContext, payload: GeneratePayload, lease: Lease)
     event (Redis stayed down past the retries) gets that event now, from the row, so its
     consumers hear the end. Jobs no attempt ever ran (cancelled while queued) are the
     API's to end."""
-    job = ctx.retry(ctx.store.get_job, payload.job_id)
+    job = ctx.retry(ctx.store.jobs.get_job, payload.job_id)
     if job is None or not job.terminal or job.worker is None:
         return
     state = ctx.retry(ctx.publisher.state, payload.job_id)
@@ -348,7 +349,7 @@ def _follow(ctx: WorkerContext, job_id: str, progress: Progress, feed: Feed) -> 
     while True:
         kind, value = feed.inbox.get()
         if kind == streamer.FIRST:
-            if ctx.retry(ctx.store.mark_first_token, job_id, value, progress.cached_tokens,
+            if ctx.retry(ctx.store.runs.mark_first_token, job_id, value, progress.cached_tokens,
                          progress.started_at):
                 progress.first_token_at = value
         elif kind == streamer.END:
@@ -424,7 +425,7 @@ def _on_delta(ctx: WorkerContext, job_id: str, progress: Progress, delta: Delta)
         return
     if not progress.token_ids:
         at = datetime.now(UTC)
-        if ctx.retry(ctx.store.mark_first_token, job_id, at, progress.cached_tokens,
+        if ctx.retry(ctx.store.runs.mark_first_token, job_id, at, progress.cached_tokens,
                      progress.started_at):
             progress.first_token_at = at
     progress.add_tokens(text, token_ids, delta.other_tokens)
@@ -516,7 +517,7 @@ def _finish(ctx: WorkerContext, job_id: str, progress: Progress, status: JobStat
     first = None
     if progress.first_token_at is None and progress.first_token_out is not None:
         first = FirstToken(progress.first_token_out, progress.started_at, progress.cached_tokens)
-    ended = ctx.retry(ctx.store.end_job, job_id, status, output_text=progress.text,
+    ended = ctx.retry(ctx.store.runs.end_job, job_id, status, output_text=progress.text,
                       completion_tokens=progress.completion_tokens,
                       finished_at=datetime.now(UTC), first_token_at=progress.first_token_at,
                       first_token=first, **values)

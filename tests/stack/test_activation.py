@@ -52,7 +52,7 @@ def state_of(floor: Floor, name: str) -> str | None:
 def floor(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Floor]:
     db_url = f"sqlite:///{tmp_root / 'activation.db'}"
     upgrade(db_url)
-    _, key = Store(db_url).create_tenant("activation-tenant", [LANE])
+    _, key = Store(db_url).tenants.create_tenant("activation-tenant", [LANE])
     redis_url = redis_server.rsplit("/", 1)[0] + f"/{REDIS_DB}"
     env = {**os.environ, "TIDEGATE_REDIS_URL": redis_url, "TIDEGATE_DATABASE_URL": db_url,
            "TIDEGATE_NAMESPACE": NAMESPACE, "TIDEGATE_FLEET_CACHE_S": FLEET_CACHE_S}

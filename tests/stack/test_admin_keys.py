@@ -89,11 +89,11 @@ def test_rotating_a_key_keeps_jobs_and_sessions_and_ends_the_old_key_at_once(
     store = admin.http.app.state.deps.store
     continued = admin.submit(new, session_id="crm-rotate-1")
     assert continued.status_code == 202
-    assert store.job_payload(continued.json()["job_id"])["turn"] == 2
+    assert store.jobs.job_payload(continued.json()["job_id"])["turn"] == 2
     other = new_tenant(admin, "rotating-other")["key"]["secret"]
     theirs = admin.submit(other, session_id="crm-rotate-1")
     assert theirs.status_code == 202
-    assert store.job_payload(theirs.json()["job_id"])["turn"] == 1
+    assert store.jobs.job_payload(theirs.json()["job_id"])["turn"] == 1
 
 
 def test_a_rotation_with_an_overlap_keeps_both_keys_until_it_ends(admin: Admin) -> None:

@@ -133,15 +133,15 @@ def loaded(http: TestClient) -> None:
 def test_a_submit_without_a_tokenizer_is_503_naming_it_and_enqueues_nothing(
         settings: Settings, tmp_root: Path) -> None:
     store = Store(settings.db_url)
-    _, key = store.create_tenant("deps-tokenizer", ["chat"])
+    _, key = store.tenants.create_tenant("deps-tokenizer", ["chat"])
     advertise(settings, "active")
-    jobs = store.count_jobs()
+    jobs = store.jobs.count_jobs()
     with TestClient(create_app(down(settings, "tokenizer", tmp_root))) as http:
         resp = http.post("/v1/jobs", json=OK, headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 503, resp.text
     assert int(resp.headers["Retry-After"]) > 0
     assert "tokenizer failed to load" in resp.json()["error"]["message"]
-    assert store.count_jobs() == jobs
+    assert store.jobs.count_jobs() == jobs
     queues = queue_lengths(redis.Redis.from_url(settings.redis_url), ["chat.vllm"])
     assert queues == {"chat.vllm": 0}
 
@@ -150,9 +150,9 @@ def test_a_submit_the_broker_refuses_is_503_and_leaves_no_row(settings: Settings
     """Redis answers (the fleet, the backlogs, the limits) but the publish fails: the job
     row written before it is taken back and the caller told to retry."""
     store = Store(settings.db_url)
-    _, key = store.create_tenant("deps-broker", ["chat"])
+    _, key = store.tenants.create_tenant("deps-broker", ["chat"])
     advertise(settings, "active")
-    jobs = store.count_jobs()
+    jobs = store.jobs.count_jobs()
     with TestClient(create_app(settings)) as http:
         http.app.state.deps.celery = make_app(  # type: ignore[attr-defined]
             settings.model_copy(update={"redis_url": dead_redis()}))
@@ -161,7 +161,7 @@ def test_a_submit_the_broker_refuses_is_503_and_leaves_no_row(settings: Settings
     assert int(resp.headers["Retry-After"]) > 0
     assert resp.json()["error"]["type"] == "unavailable"
     assert "queue is unavailable" in resp.json()["error"]["message"]
-    assert store.count_jobs() == jobs
+    assert store.jobs.count_jobs() == jobs
     client = redis.Redis.from_url(settings.redis_url)
     assert queue_lengths(client, ["chat.vllm"]) == {"chat.vllm": 0}
 
@@ -170,13 +170,13 @@ def test_a_submit_the_broker_refuses_is_503_and_leaves_no_row(settings: Settings
 def test_a_submit_with_a_dependency_down_is_503_not_500(settings: Settings,
                                                         dependency: str) -> None:
     store = Store(settings.db_url)
-    _, key = store.create_tenant(f"deps-no-{dependency}", ["chat"])
+    _, key = store.tenants.create_tenant(f"deps-no-{dependency}", ["chat"])
     advertise(settings, "active")
-    jobs = store.count_jobs()
+    jobs = store.jobs.count_jobs()
     app = create_app(down(settings, dependency))
     with TestClient(app, raise_server_exceptions=False) as http:
         resp = http.post("/v1/jobs", json=OK, headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 503, resp.text
     assert "Retry-After" in resp.headers
     assert resp.json()["error"]["type"] == "unavailable"
-    assert store.count_jobs() == jobs
+    assert store.jobs.count_jobs() == jobs

@@ -35,6 +35,7 @@ from store.tenants import Tenants
 from tests.helpers import advertise, next_frame, own_db
 from tidegate import keys
 from tidegate.events import Event, Kind
+from tidegate.records import JobStatus
 from tidegate_tools.procs import Proc, free_port, start_api, wait_until
 
 START_S = 240.0  # a process start on a loaded machine
@@ -71,7 +72,7 @@ def stack(redis_server: str, tmp_path: Path, db: int, namespace: str) -> Iterato
     url = f"sqlite:///{tmp_path / f'{namespace}.db'}"
     upgrade(url)
     store = Store(url)
-    tenant, tenant_key = store.create_tenant("faulted", ["chat"])
+    tenant, tenant_key = store.tenants.create_tenant("faulted", ["chat"])
     admin_key = Tenants(store).create_admin_key("ops")
     redis_url = redis_server.rsplit("/", 1)[0] + f"/{db}"
     client = redis.Redis.from_url(redis_url)
@@ -227,7 +228,7 @@ def fail_as_a_worker(s: Stack, end: Callable[[str], None], asked: Any) -> list[s
     ended: list[str] = []
     while True:
         done = asked.done()  # read first: a job made before it ended is seen below
-        for job in s.store.jobs_of_tenant(s.tenant_id):
+        for job in s.store.jobs.jobs_of_tenant(s.tenant_id):
             if job.id not in ended:
                 end(job.id)
                 ended.append(job.id)
@@ -238,7 +239,8 @@ def fail_as_a_worker(s: Stack, end: Callable[[str], None], asked: Any) -> list[s
 
 def engine_failed(s: Stack) -> Callable[[str], None]:
     def end(job_id: str) -> None:  # as a worker whose engine failed the job
-        assert s.store.finish_job(job_id, "error", error="the engine failed the request")
+        assert s.store.runs.end_job(job_id, JobStatus.ERROR,
+                                    error="the engine failed the request")[0]
         s.append(job_id, 0, "error", {"code": "engine_error",
                                       "message": "the engine failed the request"})
     return end
@@ -246,7 +248,7 @@ def engine_failed(s: Stack) -> Callable[[str], None]:
 
 def deadline_passed(s: Stack) -> Callable[[str], None]:
     def end(job_id: str) -> None:  # as the reconciler ends a job past its deadline
-        assert s.store.expire_job(job_id)
+        assert s.store.runs.expire_job(job_id)
         s.append(job_id, 0, "error", {"code": "deadline_exceeded",
                                       "message": "the job's deadline passed"})
     return end

@@ -66,7 +66,7 @@ def empty_queues(api: Api) -> Iterator[None]:
 
 def tenant(api: Api, name: str, lane: str) -> str:
     # Granted every priority: the depth cases ask 9 in a lane whose default is 4.
-    return api.store.create_tenant(name, [lane], max_priority=9)[1]
+    return api.store.tenants.create_tenant(name, [lane], max_priority=9)[1]
 
 
 def submit(http: httpx.Client, lane: str, priority: int | None = None,

@@ -37,7 +37,7 @@ def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[ApiUnde
     settings = Settings(redis_url=redis_url, database_url=url, max_body_bytes=64 * 1024,
                         webhook_deny_hosts="denied.example")
     store = Store(url)
-    _, key = store.create_tenant("validation", ["chat"])
+    _, key = store.tenants.create_tenant("validation", ["chat"])
     client = redis.Redis.from_url(redis_url)
     advertise_worker(client, settings)
     with TestClient(create_app(settings)) as http:
@@ -61,7 +61,7 @@ def waiting(client: redis.Redis, queue: str) -> int:
 
 
 def nothing_enqueued(store: Store, client: redis.Redis) -> bool:
-    return store.count_jobs() == 0 and all(waiting(client, q) == 0 for q in QUEUES)
+    return store.jobs.count_jobs() == 0 and all(waiting(client, q) == 0 for q in QUEUES)
 
 
 def post(http: TestClient, key: str | None, body: object = None, raw: bytes | None = None):  # type: ignore[no-untyped-def]
@@ -137,7 +137,7 @@ def test_bad_input_is_refused_naming_the_field(api, name, body, raw, status, fie
 
 def test_prompt_longer_than_the_model_context(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
-    _, finance_key = store.create_tenant("validation-finance", ["finance"])
+    _, finance_key = store.tenants.create_tenant("validation-finance", ["finance"])
     # The test lanes let finance prompts reach 4096 tokens: the model's 2048 is the limit.
     body = {**OK, "lane": "finance", "messages": [{"role": "user", "content": LONG}]}
     resp = post(http, finance_key, body)
@@ -194,11 +194,11 @@ def test_valid_job_is_enqueued_once_with_its_priority(api) -> None:  # type: ign
     assert resp.status_code == 202, resp.text
     again = post(http, key, {**OK, "priority": 3, "idempotency_key": "order-1"})
     assert again.status_code == 200 and again.json()["job_id"] == resp.json()["job_id"]
-    assert store.count_jobs() == 1
+    assert store.jobs.count_jobs() == 1
     # Public priority 3 of 0-9 (9 most urgent) is Redis step 6; no TensorRT-LLM worker
     # advertises, so the job went to the vLLM pool.
     assert waiting(client, "chat.vllm") == 1 and client.llen("chat.vllm|6") == 1
-    job = store.get_job(resp.json()["job_id"])
+    job = store.jobs.get_job(resp.json()["job_id"])
     assert job is not None and job.status == "queued" and job.priority == 3
     assert job.route_reason is not None
     assert "pool trtllm: no healthy active worker" in job.route_reason
@@ -225,12 +225,12 @@ def _cleanup(store: Store, client: redis.Redis, job_id: str) -> None:
     """Empty the queues so the other cases (in any order) start from nothing enqueued."""
     for queue in QUEUES:
         client.delete(*keys.queue_sublists(queue))
-    store.delete_job(job_id)
+    store.jobs.delete_job(job_id)
 
 
 def test_no_active_worker_for_the_lane_is_503_with_retry_after(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
-    _, finance_key = store.create_tenant("validation-no-worker", ["finance"])
+    _, finance_key = store.tenants.create_tenant("validation-no-worker", ["finance"])
     counted = rejected(http, "unavailable", 503)
     resp = post(http, finance_key, {**OK, "lane": "finance"})
     assert resp.status_code == 503 and "Retry-After" in resp.headers
@@ -242,9 +242,9 @@ def test_no_active_worker_for_the_lane_is_503_with_retry_after(api) -> None:  # 
 
 def test_revoked_key_is_401(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
-    store.create_tenant("validation-revoked", ["chat"])
-    _, key = store.create_tenant("validation-revoked-2", ["chat"])
-    assert store.revoke_tenant("validation-revoked-2")
+    store.tenants.create_tenant("validation-revoked", ["chat"])
+    _, key = store.tenants.create_tenant("validation-revoked-2", ["chat"])
+    assert store.tenants.revoke_tenant("validation-revoked-2")
     resp = post(http, key, OK)
     assert resp.status_code == 401 and resp.json()["error"]["field"] == "authorization"
     assert nothing_enqueued(store, client)
@@ -252,7 +252,7 @@ def test_revoked_key_is_401(api) -> None:  # type: ignore[no-untyped-def]
 
 def test_rate_limits_answer_429_with_retry_after(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
-    _, key = store.create_tenant("validation-limited", ["chat"], requests_per_minute=2)
+    _, key = store.tenants.create_tenant("validation-limited", ["chat"], requests_per_minute=2)
     accepted = [post(http, key, {**OK, "idempotency_key": f"rl-{i}"}) for i in range(2)]
     assert [r.status_code for r in accepted] == [202, 202]
     refused = post(http, key, {**OK, "idempotency_key": "rl-3"})
@@ -261,10 +261,10 @@ def test_rate_limits_answer_429_with_retry_after(api) -> None:  # type: ignore[n
     # The sliding window (tidegate/ratelimit.py) is whole again at most two minutes on.
     assert 1 <= int(refused.headers["Retry-After"]) <= 120
     assert "2 requests per minute" in refused.json()["error"]["message"]
-    assert store.count_jobs() == 2 and waiting(client, "chat.vllm") == 2
+    assert store.jobs.count_jobs() == 2 and waiting(client, "chat.vllm") == 2
     for r in accepted:
         _cleanup(store, client, r.json()["job_id"])
-    _, tok_key = store.create_tenant("validation-tokens", ["chat"], tokens_per_minute=50)
+    _, tok_key = store.tenants.create_tenant("validation-tokens", ["chat"], tokens_per_minute=50)
     big = post(http, tok_key, {**OK, "max_tokens": 60})  # prompt + 60 > 50 tokens
     assert big.status_code == 429 and "tokens per minute" in big.json()["error"]["message"]
     assert nothing_enqueued(store, client)
@@ -302,8 +302,8 @@ def rate_counters(http: TestClient, client: redis.Redis, tenant_id: int) -> tupl
 @pytest.mark.parametrize("where", ["header", "body"])
 def test_a_replayed_idempotency_key_is_not_charged_again(api, where) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
-    tenant, key = store.create_tenant(f"validation-replay-{where}", ["chat"],
-                                      requests_per_minute=100, tokens_per_minute=100_000)
+    tenant, key = store.tenants.create_tenant(f"validation-replay-{where}", ["chat"],
+                                              requests_per_minute=100, tokens_per_minute=100_000)
     first = post_keyed(http, key, where, f"replay-{where}")
     assert first.status_code == 202, first.text
     with cleaned_up(store, client, first.json()["job_id"]):
@@ -317,13 +317,13 @@ def test_a_replayed_idempotency_key_is_not_charged_again(api, where) -> None:  #
             pytest.skip("the minute changed between the counter reads three times")
         assert again.status_code == 200 and again.json()["job_id"] == first.json()["job_id"]
         assert after == before
-        assert store.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
+        assert store.jobs.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
 
 
 def test_a_replay_at_the_rate_limit_answers_with_the_job(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, _ = api
-    tenant, key = store.create_tenant("validation-replay-at-limit", ["chat"],
-                                      requests_per_minute=1)
+    tenant, key = store.tenants.create_tenant("validation-replay-at-limit", ["chat"],
+                                              requests_per_minute=1)
     first = post_keyed(http, key, "header", "at-limit")
     assert first.status_code == 202, first.text
     with cleaned_up(store, client, first.json()["job_id"]):
@@ -332,7 +332,7 @@ def test_a_replay_at_the_rate_limit_answers_with_the_job(api) -> None:  # type: 
         assert again.status_code == 200, again.text
         assert again.json()["job_id"] == first.json()["job_id"]
         assert post_keyed(http, key, "header", "at-limit-new").status_code == 429  # control
-        assert store.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
+        assert store.jobs.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
 
 
 def test_a_replay_with_no_worker_for_the_lane_answers_with_the_job(api) -> None:  # type: ignore[no-untyped-def]
@@ -348,7 +348,7 @@ def test_a_replay_with_no_worker_for_the_lane_answers_with_the_job(api) -> None:
             again = post_keyed(http, key, "header", "unrouted")
             assert again.status_code == 200, again.text
             assert again.json()["job_id"] == first.json()["job_id"]
-            assert store.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
+            assert store.jobs.count_jobs() == 1 and waiting(client, "chat.vllm") == 1
         finally:
             advertise_worker(client, settings)
             time.sleep(FLEET_CACHE_S + 0.1)  # the next cases see the worker again
@@ -374,7 +374,7 @@ def test_delete_of_a_queued_job_ends_it_cancelled_for_its_consumer(api) -> None:
     with cleaned_up(store, client, job_id):
         resp = http.delete(f"/v1/jobs/{job_id}", headers=auth(key))
         assert resp.status_code == 200 and resp.json()["status"] == "cancelled"
-        job = store.get_job(job_id)
+        job = store.jobs.get_job(job_id)
         assert job is not None and job.status == "cancelled" and job.started_at is None
         # No worker ever ran it: its consumer still hears the end.
         (done,) = sse_events(http, key, job_id)
@@ -396,13 +396,13 @@ def test_a_second_delete_answers_with_the_cancelled_job(api) -> None:  # type: i
 
 def test_delete_of_another_tenants_job_is_404_and_leaves_it_queued(api) -> None:  # type: ignore[no-untyped-def]
     http, store, client, key = api
-    _, other_key = store.create_tenant("validation-other-deleter", ["chat"])
+    _, other_key = store.tenants.create_tenant("validation-other-deleter", ["chat"])
     job_id = post(http, key, OK).json()["job_id"]
     with cleaned_up(store, client, job_id):
         resp = http.delete(f"/v1/jobs/{job_id}", headers=auth(other_key))
         assert resp.status_code == 404
         assert resp.json()["error"]["type"] == "not_found"
-        job = store.get_job(job_id)
+        job = store.jobs.get_job(job_id)
         assert job is not None and job.status == "queued"
         ns = http.app.state.deps.settings.namespace
         assert not client.exists(keys.job_cancel(ns, job_id))
@@ -423,12 +423,13 @@ def test_session_affinity_setting(api, affinity: bool) -> None:  # type: ignore[
         first = post(other, key, body)
         assert first.status_code == 202, first.text
         with cleaned_up(store, client, first.json()["job_id"]):
-            tenant_id = store.get_job(first.json()["job_id"]).tenant_id  # type: ignore[union-attr]
-            store.set_session_worker(session, tenant_id, "chat-advertised@test")  # it ran there
+            tenant_id = store.jobs.get_job(first.json()["job_id"]).tenant_id  # type: ignore[union-attr]
+            # it ran there
+            store.sessions.set_session_worker(session, tenant_id, "chat-advertised@test")
             resp = post(other, key, body)
             assert resp.status_code == 202, resp.text
             with cleaned_up(store, client, resp.json()["job_id"]):
-                job = store.get_job(resp.json()["job_id"])
+                job = store.jobs.get_job(resp.json()["job_id"])
                 client.delete(*keys.queue_sublists(direct))
     assert job is not None and job.route_reason is not None
     if affinity:

@@ -69,7 +69,7 @@ def api_workers(redis_server: str, tmp_path: Path) -> Iterator[Api]:
     url = f"sqlite:///{tmp_path / 'api-workers.db'}"
     upgrade(url)
     store = Store(url)
-    _, key = store.create_tenant("two-processes", ["chat"])
+    _, key = store.tenants.create_tenant("two-processes", ["chat"])
     redis_url = redis_server.rsplit("/", 1)[0] + f"/{DB}"
     client = redis.Redis.from_url(redis_url)
     advertise(client, NAMESPACE, "chat-advertised@api-workers", "chat", "vllm")
@@ -138,7 +138,7 @@ def test_two_api_processes_share_the_port_and_the_store_and_stop_with_their_pare
             for c in clients:
                 c.close()
         ids = {a.json()["job_id"] for a in answers}
-        assert {api.store.get_job(i).status.value for i in ids} == {"queued"}  # type: ignore[union-attr]
+        assert {api.store.jobs.get_job(i).status.value for i in ids} == {"queued"}  # type: ignore[union-attr]
 
         api.proc.popen.send_signal(signal.SIGTERM)  # the parent alone, not its group
         api.proc.popen.wait(STOP_S)

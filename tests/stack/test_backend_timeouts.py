@@ -82,7 +82,7 @@ def test_a_blackholed_redis_is_a_503_within_the_timeout(model_path: Path,
                                                          tmp_root: Path) -> None:
     url = f"sqlite:///{tmp_root / 'blackholed-redis.db'}"
     upgrade(url)
-    _, key = Store(url).create_tenant("blackholed-redis", ["chat"])
+    _, key = Store(url).tenants.create_tenant("blackholed-redis", ["chat"])
     with blackhole() as port:
         settings = Settings(redis_url=f"redis://127.0.0.1:{port}/0", database_url=url,
                             namespace="tgblackholedredis",
@@ -246,10 +246,10 @@ class LostReply:
 
 
 def running_job(store: Store) -> tuple[JobRecord, datetime]:
-    tenant, _ = store.create_tenant(f"ends-{time.monotonic_ns()}", ["chat"])
-    job, _, _ = store.create_job(f"job-{time.monotonic_ns()}", tenant.id, "chat", "chat.vllm",
-                                 4, None, {"max_tokens": 4}, 5)
-    claimed = store.claim_job(job.id, "chat-w1@test", "vllm")
+    tenant, _ = store.tenants.create_tenant(f"ends-{time.monotonic_ns()}", ["chat"])
+    job, _, _ = store.jobs.create_job(f"job-{time.monotonic_ns()}", tenant.id, "chat", "chat.vllm",
+                                      4, None, {"max_tokens": 4}, 5)
+    claimed = store.runs.claim_job(job.id, "chat-w1@test", "vllm")
     assert claimed is not None and claimed.started_at is not None
     return claimed, claimed.started_at + timedelta(milliseconds=20)
 
@@ -264,19 +264,19 @@ def test_a_retried_end_whose_reply_was_lost_reports_done(store: Store, first_tok
     job, first_at = running_job(store)
     marked: dict[str, Any] = {"first_token_at": None, "first_token": None}
     if first_token == "written":
-        assert store.mark_first_token(job.id, first_at, started_at=job.started_at)
+        assert store.runs.mark_first_token(job.id, first_at, started_at=job.started_at)
         marked["first_token_at"] = first_at
     else:
         marked["first_token"] = FirstToken(first_at, job.started_at)
-    end_job = LostReply(store.end_job)
+    end_job = LostReply(store.runs.end_job)
     ended, row = Retrier(5.0)(end_job, job.id, "done", output_text="on its way",
                               completion_tokens=3, finished_at=datetime.now(UTC),
                               finish_reason="stop", **marked)
     assert end_job.tries == 2  # the retry ran
     assert ended is True and row is not None
     assert (row.status, row.finish_reason, row.output_text) == ("done", "stop", "on its way")
-    stored = store.get_job(job.id)
+    stored = store.jobs.get_job(job.id)
     assert stored is not None and stored.status == "done" and stored.first_token_at == first_at
     # An end that is not this call's stays refused: a late `error` changes nothing.
-    assert store.end_job(job.id, "error", error="late", finished_at=datetime.now(UTC)) == (
+    assert store.runs.end_job(job.id, "error", error="late", finished_at=datetime.now(UTC)) == (
         False, stored)

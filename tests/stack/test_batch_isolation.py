@@ -37,6 +37,7 @@ from tests.stack.test_api_validation import waiting
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate import keys
 from tidegate.locks import RedisLock
+from tidegate.records import JobStatus
 from tidegate.settings import Settings
 from tidegate_tools.pg import private_database
 from tidegate_tools.procs import Proc, start_batches, wait_until
@@ -84,15 +85,15 @@ class Floor:
         return found
 
     def jobs(self, tenant: str) -> list[Any]:
-        return self.store.list_jobs(self.ids[tenant])
+        return self.store.jobs.list_jobs(self.ids[tenant])
 
     def finish_jobs(self, tenant: str) -> None:
         """What a worker does with the tenant's queued jobs."""
         for job in self.jobs(tenant):
             if not job.terminal:
-                self.store.claim_job(job.id, "chat-batch@test", "vllm")
-                self.store.finish_job(job.id, "done", finish_reason="stop",
-                                      output_text="on its way", completion_tokens=3)
+                self.store.runs.claim_job(job.id, "chat-batch@test", "vllm")
+                self.store.runs.end_job(job.id, JobStatus.DONE, finish_reason="stop",
+                                        output_text="on its way", completion_tokens=3)
 
 
 def request(custom_id: str, content: Any = PROMPT) -> str:
@@ -115,7 +116,7 @@ def floor_on(url: str, tmp_root: Path, redis_db: int = REDIS_DB,
     redis_url = os.environ["TIDEGATE_REDIS_URL"].rsplit("/", 1)[0] + f"/{redis_db}"
     settings = settings_for(url, redis_url, **values)
     store = Store(url)
-    made = {name: store.create_tenant(f"{name}-{uuid.uuid4().hex[:6]}", ["chat", "batch"])
+    made = {name: store.tenants.create_tenant(f"{name}-{uuid.uuid4().hex[:6]}", ["chat", "batch"])
             for name in ("x", "y")}
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
@@ -182,7 +183,7 @@ def test_a_message_without_text_is_a_400_naming_it_and_nothing_is_enqueued(
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "messages.1.content" and error["type"] == "invalid_request_error"
-    assert floor.store.count_jobs() == 0
+    assert floor.store.jobs.count_jobs() == 0
     assert waiting(floor.redis, "chat.vllm") == 0
 
 
@@ -195,7 +196,7 @@ def test_a_broken_batch_ends_failed_alone_and_the_others_go_on(
     broken = floor.batch("x", [request("broken-0")])
     later = floor.batch("y", [request("y-0"), request("y-1")])
     file_id = floor.row(gone).input_file_id
-    with floor.store._write() as session:  # its input file is gone (as a purge would)
+    with floor.store.write() as session:  # its input file is gone (as a purge would)
         session.execute(delete(FilePart).where(FilePart.file_id == file_id))
         session.execute(delete(File).where(File.id == file_id))
     # A row no step can read: every step of this batch raises.

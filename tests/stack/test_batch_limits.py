@@ -88,9 +88,9 @@ def in_flight(floor: Floor, tenant: str) -> list[Any]:
 def finish_one(floor: Floor, tenant: str) -> None:
     """What a worker does with one of the tenant's queued jobs: it runs and ends `done`."""
     job = next(job for job in floor.jobs(tenant) if not job.terminal)
-    floor.store.claim_job(job.id, "chat-batch@test", "vllm")
-    floor.store.finish_job(job.id, "done", finish_reason="stop", output_text="on its way",
-                           completion_tokens=3)
+    floor.store.runs.claim_job(job.id, "chat-batch@test", "vllm")
+    floor.store.runs.end_job(job.id, JobStatus.DONE, finish_reason="stop", output_text="on its way",
+                             completion_tokens=3)
 
 
 def pass_until(driver: Driver, done: Callable[[], bool], what: str) -> None:

@@ -29,6 +29,7 @@ from api.app import create_app
 from store import Store, upgrade
 from tests.helpers import own_db, running_driver
 from tests.stack.test_openai_validation import advertise_chat_worker
+from tidegate.records import JobStatus
 from tidegate.settings import Settings
 from tidegate_tools.procs import wait_until
 
@@ -53,7 +54,7 @@ def floor(redis_server: str, model_path: Path,
     settings = Settings(redis_url=redis_url, database_url=url, batch_poll_s=0.05,
                         batch_driver_lock_s=2, batch_in_flight=IN_FLIGHT)
     store = Store(url)
-    record, key = store.create_tenant(f"share-{uuid.uuid4().hex[:6]}", ["chat", "batch"])
+    record, key = store.tenants.create_tenant(f"share-{uuid.uuid4().hex[:6]}", ["chat", "batch"])
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     advertise_chat_worker(client, settings)
@@ -83,7 +84,7 @@ def test_chat_traffic_cannot_starve_a_batch(
     batch_id = made.json()["id"]
 
     def jobs() -> list[Any]:
-        return store.list_jobs(tenant_id)
+        return store.jobs.list_jobs(tenant_id)
 
     def served_at_chat_priority() -> int:
         """What a chat worker that never runs out of chat work does: it ends the jobs at
@@ -91,9 +92,9 @@ def test_chat_traffic_cannot_starve_a_batch(
         ended = 0
         for job in jobs():
             if not job.terminal and job.priority >= chat_priority:
-                store.claim_job(job.id, "chat-batch@test", "vllm")
-                store.finish_job(job.id, "done", finish_reason="stop", output_text="soon",
-                                 completion_tokens=2)
+                store.runs.claim_job(job.id, "chat-batch@test", "vllm")
+                store.runs.end_job(job.id, JobStatus.DONE, finish_reason="stop", output_text="soon",
+                                   completion_tokens=2)
                 ended += 1
         return ended
 

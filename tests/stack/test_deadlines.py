@@ -31,8 +31,8 @@ def test_a_deadline_passed_in_the_queue_expires_before_generating(stack: Stack) 
     worker = stack.workers["chat"]
     before = engine_counts(worker)
     job_id = str(uuid.uuid4())
-    stack.store.create_job(job_id, stack.tenant_id, "chat", "chat.vllm", 5, None,
-                           {"max_tokens": 32}, 4)
+    stack.store.jobs.create_job(job_id, stack.tenant_id, "chat", "chat.vllm", 5, None,
+                                {"max_tokens": 32}, 4)
     payload = GeneratePayload(job_id=job_id, lane="chat", prompt=PROMPT, prompt_tokens=4,
                               sampling=Sampling(max_tokens=32), deadline_at=time.time() - 1)
     send_generate(make_app(get_settings()), payload, "chat.vllm", 5)

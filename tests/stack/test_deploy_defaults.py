@@ -83,7 +83,7 @@ def test_an_api_with_only_the_tokenizer_files_is_ready_and_counts_tokens(
            "TIDEGATE_DATABASE_URL": db,
            "TIDEGATE_TOKENIZER": str(tokenizer_only),
            "TIDEGATE_MODEL": str(tmp_root / "not-here" / "llama-test-70b")}
-    _, key = Store(db).create_tenant("tokenizer-only", ["chat"])
+    _, key = Store(db).tenants.create_tenant("tokenizer-only", ["chat"])
     client = redis.Redis.from_url(url)
     port = free_port()
     api = start_api(env, port, tmp_root / "logs")
@@ -288,7 +288,7 @@ def runs_a_job_on(url: str, tmp_root: Path) -> list[Proc]:
     stream back, so the broker, the token streams, the heartbeats and the API's clients all
     reached Redis with the password. Returns the processes, for the caller to stop."""
     db = own_database(tmp_root, "compose-redis")
-    _, key = Store(db).create_tenant("compose-redis", ["chat"])
+    _, key = Store(db).tenants.create_tenant("compose-redis", ["chat"])
     env = {**os.environ, "TIDEGATE_REDIS_URL": url, "TIDEGATE_NAMESPACE": "tgcomposeredis",
            "TIDEGATE_DATABASE_URL": db}
     port, name = free_port(), "chat-pw@compose"

@@ -50,7 +50,7 @@ def test_events_arrive_in_order_and_match_the_stored_output(stack: Stack) -> Non
     assert events[0].kind == "started" and events[-1].kind == "done"
     tokens = [e for e in events if e.kind == "token"]
     assert sum(len(e.token_ids) for e in tokens) == 24
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None and job.status == "done"
     assert "".join(e.text for e in tokens) == job.output_text != ""
     assert job.completion_tokens == 24 and job.finish_reason == "length"
@@ -60,7 +60,7 @@ def test_events_arrive_in_order_and_match_the_stored_output(stack: Stack) -> Non
 def test_job_row_and_done_event_carry_queue_wait_ttft_tpot(stack: Stack) -> None:
     job_id = submit(stack, "chat", max_tokens=16)
     done = consume(stack, job_id)[-1]
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None
     for name in ("queue_wait_ms", "ttft_ms", "tpot_ms"):
         value = getattr(job, name)
@@ -133,7 +133,7 @@ def check_delete_during_generation(stack: Stack, lane: str, max_tokens: int) -> 
                 assert client.cancel(job_id)["status"] == "cancelled"
     assert events[-1].kind == "done" and events[-1].data["finish_reason"] == "cancelled"
     assert sum(len(e.token_ids) for e in events) < max_tokens
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None and job.status == "cancelled"
     # The engine no longer holds the request.
     assert engine_stats(worker, stack.broker_url)["unfinished"] == 0
@@ -161,8 +161,8 @@ def test_an_engine_error_reaches_the_consumer_as_an_error_event(stack: Stack) ->
     so it is sent as a task directly) ends the job `error` with the engine's reason, heard
     by its consumer; the worker goes on serving."""
     job_id = str(uuid.uuid4())
-    stack.store.create_job(job_id, stack.tenant_id, "chat", "chat.vllm", 5, None,
-                           {"max_tokens": 8}, 2500)
+    stack.store.jobs.create_job(job_id, stack.tenant_id, "chat", "chat.vllm", 5, None,
+                                {"max_tokens": 8}, 2500)
     payload = GeneratePayload(job_id=job_id, lane="chat", prompt=" refund" * 2500,
                               prompt_tokens=2500, sampling=Sampling(max_tokens=8))
     send_generate(make_app(get_settings()), payload, "chat.vllm", 5)
@@ -170,7 +170,7 @@ def test_an_engine_error_reaches_the_consumer_as_an_error_event(stack: Stack) ->
     assert [e.kind for e in events] == ["started", "error"]
     error = events[-1].data
     assert error["code"] == "engine_rejected" and error["message"]
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None and job.status == "error" and job.error == error["message"]
     assert consume(stack, submit(stack, "chat", max_tokens=4))[-1].kind == "done"
 
@@ -191,7 +191,7 @@ def test_a_second_delivery_of_a_finished_job_does_not_generate_again(stack: Stac
     worker = stack.workers["chat"]
     job_id = submit(stack, "chat", max_tokens=8)
     events = consume(stack, job_id)
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     stats = engine_stats(worker)
     assert job is not None
     payload = GeneratePayload(job_id=job_id, lane="chat", prompt="redelivered", prompt_tokens=2,
@@ -204,7 +204,7 @@ def test_a_second_delivery_of_a_finished_job_does_not_generate_again(stack: Stac
     after = engine_stats(worker)
     assert sum(after["finished_by_reason"].values()) == sum(stats["finished_by_reason"].values())
     assert same(stack.stream_events(job_id), events)
-    again = stack.store.get_job(job_id)
+    again = stack.store.jobs.get_job(job_id)
     assert again is not None and again.attempts == job.attempts == 1
 
 
@@ -233,7 +233,7 @@ def check_metrics_count_one_job(stack: Stack, lane: str) -> None:
                                 "tidegate_e2e_request_latency_seconds_count") > 0, 10,
                    "the worker to count the finished job")
         after, after_api = worker_scrape(stack, lane), http.get("/metrics").text
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None and job.finished_at is not None and job.tpot_ms is not None
     figures = {"request_queue_time": job.queue_wait_ms, "time_to_first_token": job.ttft_ms,
                "inter_token_latency": job.tpot_ms,
@@ -273,7 +273,7 @@ def test_kv_gauges_follow_a_running_load(stack: Stack) -> None:
         assert all(f.result()[-1].kind == "done" for f in streams)
     wait_until(lambda: gauge("tidegate_kv_cache_usage_perc") == 0, 10,
                "KV cache usage back at 0 after the jobs")
-    prompt_tokens = sum(job.prompt_tokens for j in job_ids if (job := stack.store.get_job(j)))
+    prompt_tokens = sum(job.prompt_tokens for j in job_ids if (job := stack.store.jobs.get_job(j)))
     assert gauge("tidegate_prefix_cache_queries_total") >= queries + prompt_tokens
 
 
@@ -308,7 +308,7 @@ def test_readyz_reports_each_dependency_and_fleetz_the_workers(stack: Stack) -> 
 def test_stream_of_another_tenant_is_not_found(stack: Stack) -> None:
     job_id = submit(stack, "chat", max_tokens=2)
     consume(stack, job_id)
-    _, other_key = stack.store.create_tenant(f"other-{threading.get_ident()}", ["chat"])
+    _, other_key = stack.store.tenants.create_tenant(f"other-{threading.get_ident()}", ["chat"])
     with Client(stack.base_url, other_key) as other:
         for call in (lambda: other.job(job_id), lambda: list(other.stream(job_id))):
             try:
@@ -421,6 +421,6 @@ def test_prefix_hits_and_allocation_latency_show_in_status_metrics_and_jobs(stac
     hit_cell, alloc_cell = row.split()[11:13]
     assert hit_cell.endswith("%") and float(hit_cell[:-1]) > 0 and float(alloc_cell) > 0
     assert " session " in row
-    rows = [stack.store.get_job(job_id) for job_id in job_ids]
+    rows = [stack.store.jobs.get_job(job_id) for job_id in job_ids]
     assert all(r is not None and r.status == "done" for r in rows)
     assert sum(1 for r in rows if r and (r.cached_tokens or 0) > 0) >= len(rows) // 2

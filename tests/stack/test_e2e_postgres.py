@@ -55,7 +55,7 @@ def test_streamed_tokens_match_the_row_postgres_stored(pg_stack: Stack) -> None:
     events = e2e.consume(pg_stack, e2e.submit(pg_stack, "chat", max_tokens=24))
     assert [e.seq for e in events] == list(range(len(events)))
     tokens = [e for e in events if e.kind == "token"]
-    job = pg_stack.store.get_job(events[0].job_id)
+    job = pg_stack.store.jobs.get_job(events[0].job_id)
     assert job is not None and job.status == "done" and job.worker == WORKER
     assert job.output_text == "".join(e.text for e in tokens) != ""
     assert job.completion_tokens == sum(len(e.token_ids) for e in tokens) == 24
@@ -86,7 +86,7 @@ def test_metrics_count_one_job_on_postgres(pg_stack: Stack) -> None:
 
 
 def test_an_idempotent_replay_on_postgres_answers_the_same_job(pg_stack: Stack) -> None:
-    jobs = pg_stack.store.count_jobs()
+    jobs = pg_stack.store.jobs.count_jobs()
     with pg_stack.http() as http:
         body = {"lane": "chat", "messages": e2e.MESSAGES, "max_tokens": 4}
         first = http.post("/v1/jobs", json=body, headers={"Idempotency-Key": "pg-order-1"})
@@ -94,6 +94,6 @@ def test_an_idempotent_replay_on_postgres_answers_the_same_job(pg_stack: Stack) 
     assert (first.status_code, again.status_code) == (202, 200)
     assert again.json()["job_id"] == first.json()["job_id"]
     assert e2e.consume(pg_stack, first.json()["job_id"])[-1].kind == "done"
-    assert pg_stack.store.count_jobs() == jobs + 1
-    job = pg_stack.store.get_job(first.json()["job_id"])
+    assert pg_stack.store.jobs.count_jobs() == jobs + 1
+    job = pg_stack.store.jobs.get_job(first.json()["job_id"])
     assert job is not None and job.status == "done" and job.attempts == 1

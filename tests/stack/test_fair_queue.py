@@ -71,8 +71,8 @@ def _flood_then_quiet(redis_server: str, tmp_root: Path, name: str,
     the quiet tenant submits 2 through the other API: (flood, taken, quiet, the order
     the rest is taken in)."""
     with _apis(redis_server, tmp_root, name, name, **settings) as (first, second, own):
-        _, flood_key = own.store.create_tenant("flood", ["chat"])
-        _, quiet_key = own.store.create_tenant("quiet", ["chat"])
+        _, flood_key = own.store.tenants.create_tenant("flood", ["chat"])
+        _, quiet_key = own.store.tenants.create_tenant("quiet", ["chat"])
         flood = _submit(first, flood_key, 8, "Flood")
         taken = _take(own.redis, 4)
         quiet = _submit(second, quiet_key, 2, "Quiet")
@@ -102,8 +102,8 @@ def test_backlogged_tenants_are_served_in_proportion_to_their_weights(
 
     with _apis(redis_server, tmp_root, "fairw", "weights", fair_burst_jobs=0) as (
             first, second, own):
-        _, light_key = own.store.create_tenant("light", ["chat"])
-        _, heavy_key = own.store.create_tenant("heavy", ["chat"])
+        _, light_key = own.store.tenants.create_tenant("light", ["chat"])
+        _, heavy_key = own.store.tenants.create_tenant("heavy", ["chat"])
         Tenants(own.store).update("heavy", fair_weight=3)
         light = _submit(first, light_key, 8, "Light")
         heavy = _submit(second, heavy_key, 8, "Heavy")  # all of light's queued first
@@ -118,8 +118,8 @@ def test_with_fair_queuing_off_jobs_wait_in_arrival_order(redis_server: str,
                                                           tmp_root: Path) -> None:
     with _apis(redis_server, tmp_root, "fifo", "fifo", fair_queuing=False) as (
             first, second, own):
-        _, flood_key = own.store.create_tenant("flood", ["chat"])
-        _, quiet_key = own.store.create_tenant("quiet", ["chat"])
+        _, flood_key = own.store.tenants.create_tenant("flood", ["chat"])
+        _, quiet_key = own.store.tenants.create_tenant("quiet", ["chat"])
         flood = _submit(first, flood_key, 4, "Flood")
         quiet = _submit(second, quiet_key, 1, "Quiet")
         assert _taken_order(own.redis) == [*flood, *quiet]
@@ -134,7 +134,7 @@ def test_a_broker_that_forgot_the_script_still_gets_the_job_once(tmp_root: Path)
     try:
         url = f"redis://127.0.0.1:{port}/0"
         with _apis(url, tmp_root, "fairnoscript", "noscript") as (first, _, own):
-            _, key = own.store.create_tenant("solo", ["chat"])
+            _, key = own.store.tenants.create_tenant("solo", ["chat"])
             before = _submit(first, key, 1, "Before")
             own.redis.script_flush()
             after = _submit(first, key, 1, "After")

@@ -45,7 +45,7 @@ def api(redis_server: str, tmp_root: Path) -> Iterator[ApiOfItsOwn]:
 
 
 def tenant(api: ApiOfItsOwn, name: str) -> httpx.Client:
-    _, key = api.store.create_tenant(name, ["chat", "batch"])
+    _, key = api.store.tenants.create_tenant(name, ["chat", "batch"])
     return httpx.Client(base_url=api.base_url, timeout=60,
                         headers={"Authorization": f"Bearer {key}"})
 
@@ -277,7 +277,7 @@ def pg_api(redis_server: str) -> Iterator[tuple[TestClient, str]]:
     with private_database("tidegate_files_bounds") as url:
         upgrade(url)
         store = Store(url)
-        _, key = store.create_tenant("files-pg", ["chat", "batch"])
+        _, key = store.tenants.create_tenant("files-pg", ["chat", "batch"])
         redis_url = own_redis_url(redis_server, __name__, "39")
         settings = Settings(redis_url=redis_url, database_url=url, namespace="tgfilespg")
         try:

@@ -137,14 +137,14 @@ def test_a_flood_of_unknown_keys_leaves_a_tenants_submits_accepted(
     with front_door(redis_server, tmp_root, "flood", max_admission_waiting=4,
                     auth_failures=1_000_000) as own:
         store = own.app.state.deps.store
-        lookup = store.tenant_by_key
+        lookup = store.tenants.tenant_by_key
 
         def slow_lookup(key: str) -> Any:
             time.sleep(LOOKUP_S)
             return lookup(key)
 
-        store.tenant_by_key = slow_lookup
-        key = own.store.create_tenant("flood-victim", ["chat"])[1]
+        store.tenants.tenant_by_key = slow_lookup
+        key = own.store.tenants.create_tenant("flood-victim", ["chat"])[1]
         with client(own, key) as http:
             assert http.post("/v1/jobs", json=JOB).status_code == 202  # a key in use
             flood = Proc("flood", [sys.executable, "-c", FLOOD, own.base_url, "4", "48", "1000"],
@@ -187,7 +187,7 @@ def test_401s_past_the_limit_from_one_address_answer_429_with_retry_after(
         redis_server: str, model_path: Path, tmp_root: Path) -> None:
     with front_door(redis_server, tmp_root, "authlimit", auth_failures=5,
                     auth_failure_hold_s=HOLD_S) as own:
-        key = own.store.create_tenant("authlimit", ["chat"])[1]
+        key = own.store.tenants.create_tenant("authlimit", ["chat"])[1]
         with client(own, key, "127.0.0.3") as known:
             assert known.post("/v1/jobs", json=JOB).status_code == 202
         with client(own, address="127.0.0.3") as http:
@@ -254,8 +254,8 @@ def test_a_resume_with_an_unknown_key_or_of_another_tenants_job_gets_no_resume_r
     monkeypatch.setattr(auth, "KEY_CACHE_S", 600.0)  # the keys stay known through the test
     with front_door(redis_server, tmp_root, "resume") as own, \
             ThreadPoolExecutor(4) as pool:
-        owner_key = own.store.create_tenant("resume-owner", ["chat"])[1]
-        other_key = own.store.create_tenant("resume-other", ["chat"])[1]
+        owner_key = own.store.tenants.create_tenant("resume-owner", ["chat"])[1]
+        other_key = own.store.tenants.create_tenant("resume-other", ["chat"])[1]
         owner, other = client(own, owner_key), client(own, other_key)
         stranger = client(own, unknown_key())
         job_id = owner.post("/v1/jobs", json=JOB).json()["job_id"]
@@ -304,7 +304,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_stops_reading(
         redis_server: str, model_path: Path, tmp_root: Path, path: str, head: bytes) -> None:
     name = "bodies" + path.rsplit("/", 1)[1]
     with front_door(redis_server, tmp_root, name) as own:
-        key = own.store.create_tenant(name, ["chat"])[1]
+        key = own.store.tenants.create_tenant(name, ["chat"])[1]
         with client(own, key) as http:
             body = Pulled(head)
             resp = http.post(path, content=iter(body),
@@ -314,7 +314,7 @@ def test_a_chunked_body_over_the_limit_is_413_and_stops_reading(
         assert error.get("field", error.get("param")) == "body"
         assert str(BODY_LIMIT) in error["message"]
         assert body.bytes < READ_AT_MOST, f"{body.bytes} bytes were pulled from the body"
-        assert own.store.count_jobs() == 0
+        assert own.store.jobs.count_jobs() == 0
 
 
 def test_an_upload_may_pass_the_body_limit_up_to_the_file_limit_and_no_further(
@@ -331,7 +331,7 @@ def test_an_upload_may_pass_the_body_limit_up_to_the_file_limit_and_no_further(
             'filename="in.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n').encode()
     with front_door(redis_server, tmp_root, "upload", batch_max_lines=100_000,
                     batch_max_file_bytes=8 * BODY_LIMIT) as own:
-        key = own.store.create_tenant("upload", ["chat", "batch"])[1]
+        key = own.store.tenants.create_tenant("upload", ["chat", "batch"])[1]
         with client(own, key) as http:
             taken = http.post("/v1/files", data={"purpose": "batch"},
                               files={"file": ("in.jsonl", io.BytesIO(text.encode()))})

@@ -207,7 +207,7 @@ def fuzzed(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Fuzz
     # driver runs here, would fill the tenant's open-batch quota before the links reach one.
     with api_of_its_own(redis_server, tmp_root, "fuzz", REDIS_DB, [], lanes_file=lanes,
                         auth_failures=1_000_000, tenant_max_open_batches=1_000_000) as api:
-        _, tenant_key = api.store.create_tenant(f"fuzz-{secrets.token_hex(8)}", LANES)
+        _, tenant_key = api.store.tenants.create_tenant(f"fuzz-{secrets.token_hex(8)}", LANES)
         admin_key = Tenants(api.store).create_admin_key("fuzz-admin")
         settings = api.app.state.deps.settings
         env = {**os.environ, "TIDEGATE_REDIS_URL": settings.redis_url,

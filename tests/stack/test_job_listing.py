@@ -34,8 +34,8 @@ def listing(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Lis
 def add_job(store: Store, tenant_id: int, lane: str = "chat",
             session_id: str | None = None) -> str:
     job_id = str(uuid.uuid4())
-    store.create_job(job_id, tenant_id, lane, f"{lane}.vllm", 4, session_id,
-                     {"max_tokens": 4}, 3)
+    store.jobs.create_job(job_id, tenant_id, lane, f"{lane}.vllm", 4, session_id,
+                          {"max_tokens": 4}, 3)
     return job_id
 
 
@@ -60,8 +60,8 @@ def walk(http: TestClient, key: str, **params: Any) -> tuple[list[str], int]:
 
 def test_pages_give_every_job_once_in_acceptance_order(listing: Listing) -> None:
     http, store, tenant_id, key = listing
-    _, other_key = store.create_tenant("listing-other", ["chat"])
-    other = store.tenant_by_key(other_key)
+    _, other_key = store.tenants.create_tenant("listing-other", ["chat"])
+    other = store.tenants.tenant_by_key(other_key)
     assert other is not None
     made = [add_job(store, tenant_id) for _ in range(7)]
     others = add_job(store, other.id)  # never in this tenant's pages
@@ -95,7 +95,7 @@ def test_filters_by_status_lane_session_and_time(listing: Listing) -> None:
     in_session = [add_job(store, tenant_id, session_id=session) for _ in range(2)]
     cut = datetime.now(UTC)
     newest = add_job(store, tenant_id)
-    cancelled = store.cancel_job(in_session[0], tenant_id)
+    cancelled = store.runs.cancel_job(in_session[0], tenant_id)
     assert cancelled is not None and cancelled.status == "cancelled"
 
     assert finance in walk(http, key, lane="finance")[0]

@@ -93,7 +93,7 @@ def test_no_prompt_or_output_in_events_flower_or_logs(stack: Stack, tmp_root: Pa
         wait_until(inspected_while_running, 60, "the job to show in `inspect active`")
         assert list(client.stream(job_id))[-1].kind == "done"
         wait_until(lambda: tap.saw("task-succeeded", job_id), 30, "the task-succeeded event")
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "done" and row.completion_tokens == 600
     assert row.output_text and len(row.output_text) >= 32
     texts = [*marks, row.output_text]
@@ -112,7 +112,7 @@ def run_one(stack: Stack, key: str, prompt: str) -> JobRecord:
     with Client(stack.base_url, key) as client:
         job_id = client.submit(LANE, prompt=prompt, max_tokens=1)["job_id"]
         assert list(client.stream(job_id))[-1].kind == "done"
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "done"
     return row
 

@@ -148,19 +148,20 @@ def test_a_full_lane_borrows_an_idle_slot_and_the_owner_takes_it_back(
 
         lent = client.submit("borrower", prompt="And my refund?", max_tokens=LONG)
         assert lent["queue"] == keys.direct_queue(stack.namespace, WORKERS["lender"])
-        row = stack.store.get_job(lent["job_id"])
+        row = stack.store.jobs.get_job(lent["job_id"])
         assert row is not None and "borrowed an idle slot of " + WORKERS["lender"] in (
             row.route_reason or "")
         # Its first token is in the row: it runs in the lender's engine (the row is written
         # at the first token; the client's stream may show it later).
-        wait_until(lambda: stack.store.get_job(lent["job_id"]).first_token_at is not None, 60,
+        wait_until(lambda: stack.store.jobs.get_job(lent["job_id"]).first_token_at is not None, 60,
                    "the borrowed job's first token", poll_s=0.01)
         # The lender's own arrival: its one slot is the borrowed job's, yet it runs now.
         mine = client.submit("lender", prompt="Revenue this quarter?", max_tokens=8)
         assert list(client.stream(mine["job_id"]))[-1].kind == "done"
         lent_events = list(client.stream(lent["job_id"]))
         list(client.stream(own["job_id"]))
-    ours, theirs = stack.store.get_job(mine["job_id"]), stack.store.get_job(lent["job_id"])
+    ours = stack.store.jobs.get_job(mine["job_id"])
+    theirs = stack.store.jobs.get_job(lent["job_id"])
     assert ours is not None and theirs is not None and theirs.finished_at is not None
     assert ours.enqueued_at < theirs.finished_at, (
         "the setup failed: the borrowed job had ended", theirs.started_at,
@@ -172,7 +173,7 @@ def test_a_full_lane_borrows_an_idle_slot_and_the_owner_takes_it_back(
     seqs = [e.seq for e in lent_events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
     for job_id in (lent["job_id"], own["job_id"]):
-        row = stack.store.get_job(job_id)
+        row = stack.store.jobs.get_job(job_id)
         assert row is not None and row.status.value == "done"
         assert row.completion_tokens == LONG
 

@@ -94,7 +94,7 @@ def test_every_line_is_json_and_names_its_job(stack: Stack, scheduler: Proc) -> 
     ends = run_jobs(stack, mark)
     job_ids = list(ends)
     done = job_ids[0]
-    row = stack.store.get_job(done)
+    row = stack.store.jobs.get_job(done)
     assert row is not None and row.output_text
     api = next(p for p in stack.procs if p.name.startswith("api"))
     worker = next(p for p in stack.procs if p.name == f"worker:{stack.workers[LANE]}")

@@ -127,7 +127,7 @@ class Load:
 def load(stack: Stack, targets: dict[str, str]) -> Load:
     """A few jobs on each lane through each API, one refused request on each, every job
     waited to its end; scrapes before and after."""
-    wait_until(lambda: not stack.store.in_flight_by_lane(), 180,
+    wait_until(lambda: not stack.store.jobs.in_flight_by_lane(), 180,
                "earlier tests' jobs to end (the workers' counts are compared)")
     before = scrape_all(targets)
     job_ids = []
@@ -148,7 +148,8 @@ def load(stack: Stack, targets: dict[str, str]) -> Load:
             assert httpx.get(f"{base}/v1/jobs", timeout=10).status_code == 401
 
     def ended() -> bool:
-        return all((job := stack.store.get_job(j)) is not None and job.terminal for j in job_ids)
+        return all((job := stack.store.jobs.get_job(j)) is not None and job.terminal
+                   for j in job_ids)
 
     wait_until(ended, 300, "the load's jobs to end", stack.procs)
 
@@ -239,7 +240,7 @@ def test_the_scheduler_serves_the_fleet(load: Load, stack: Stack) -> None:
 
 
 def test_no_label_carries_a_job_or_tenant_id(load: Load, stack: Stack) -> None:
-    tenant = stack.store.list_tenants()
+    tenant = stack.store.tenants.list_tenants()
     names = {t.name for t in tenant if t.id == stack.tenant_id}
     ids = set(load.job_ids) | names
     for process, families in load.after.items():

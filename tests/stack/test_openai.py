@@ -163,15 +163,15 @@ def test_a_lane_that_keeps_its_jobs_runs_a_left_streams_job_to_its_end(
 
 
 def test_a_rate_limited_tenant_gets_the_sdks_rate_limit_error(stack: Stack) -> None:
-    record, limited = stack.store.create_tenant("openai-limited", ["chat"],
-                                                requests_per_minute=1)
+    record, limited = stack.store.tenants.create_tenant("openai-limited", ["chat"],
+                                                        requests_per_minute=1)
     client = sdk(stack, limited)
     client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
     with pytest.raises(openai.RateLimitError) as caught:
         client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
     assert int(caught.value.response.headers["retry-after"]) > 0
     assert caught.value.body["type"] == "rate_limit_error"  # type: ignore[index]
-    assert len(stack.store.list_jobs(record.id)) == 1
+    assert len(stack.store.jobs.list_jobs(record.id)) == 1
 
 
 def batch_lines() -> bytes:
@@ -274,7 +274,7 @@ def test_a_conversation_hits_the_same_prefix_cache_through_either_api(stack: Sta
     with Client(stack.base_url, key) as client:
         job_id = client.submit("chat", messages=messages, max_tokens=1)["job_id"]
         assert list(client.stream(job_id))[-1].kind == "done"
-    first = stack.store.get_job(job_id)
+    first = stack.store.jobs.get_job(job_id)
     done = sdk(stack, key).chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
                                                    max_tokens=1)
     assert first is not None and first.prompt_tokens >= 512

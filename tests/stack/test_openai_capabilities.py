@@ -60,7 +60,7 @@ def sim(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[SimLane
     lanes = strict_lanes(tmp_root)
     with api_of_its_own(redis_server, tmp_root, "simcap", REDIS_DB, [],
                         lanes_file=lanes) as api:
-        _, key = api.store.create_tenant("simcap", ["chat"])
+        _, key = api.store.tenants.create_tenant("simcap", ["chat"])
         settings = api.app.state.deps.settings
         env = {**os.environ, "TIDEGATE_REDIS_URL": settings.redis_url,
                "TIDEGATE_NAMESPACE": api.namespace, "TIDEGATE_LANES_FILE": str(lanes),
@@ -96,17 +96,17 @@ LACKING = [  # (the request's fields, the param the 400 names, the capability)
 
 def test_what_the_sim_engine_lacks_is_refused_naming_the_field(sim: SimLane) -> None:
     client = sim.sdk()
-    rows, finished = sim.api.store.count_jobs(), sim.finished()
+    rows, finished = sim.api.store.jobs.count_jobs(), sim.finished()
     for fields, param, capability in LACKING:
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, **fields)
         assert caught.value.param == param, fields
         assert f"'{capability}' capability" in caught.value.message, caught.value.message
-        assert sim.api.store.count_jobs() == rows, fields  # no row
+        assert sim.api.store.jobs.count_jobs() == rows, fields  # no row
     # Neutral values need nothing: accepted, and the one job the worker runs.
     done = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, n=1,
                                           presence_penalty=0, logit_bias={})
-    assert done.choices[0].message.content and sim.api.store.count_jobs() == rows + 1
+    assert done.choices[0].message.content and sim.api.store.jobs.count_jobs() == rows + 1
     # The worker ended that one job and no other: no message of a refused one reached it.
     wait_until(lambda: sim.finished() == finished + 1, 30, "the worker to count its job")
     assert sim.finished() == finished + 1
@@ -130,9 +130,9 @@ def test_the_sim_engine_honours_stop_strings(sim: SimLane) -> None:
 
 
 def test_a_strict_lane_refuses_unknown_fields_naming_them(sim: SimLane) -> None:
-    rows = sim.api.store.count_jobs()
+    rows = sim.api.store.jobs.count_jobs()
     with pytest.raises(openai.BadRequestError) as caught:
         sim.sdk().chat.completions.create(model=MODEL, messages=USER, max_tokens=3,
                                           extra_body={"bogus": 1})
     assert caught.value.param == "bogus" and "strict_fields" in caught.value.message
-    assert sim.api.store.count_jobs() == rows
+    assert sim.api.store.jobs.count_jobs() == rows

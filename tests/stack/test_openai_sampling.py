@@ -92,7 +92,7 @@ def stack(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Stack
 
 
 def make_tenant(store: Store, name: str, lanes: list[str]) -> tuple[int, str]:
-    tenant, key = store.create_tenant(name, lanes)
+    tenant, key = store.tenants.create_tenant(name, lanes)
     return tenant.id, key
 
 
@@ -149,12 +149,12 @@ def test_an_image_part_is_refused_naming_it_and_the_capability(stack: Stack, key
     messages: list[Any] = [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
         {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]
-    before = stack.store.count_jobs()
+    before = stack.store.jobs.count_jobs()
     with pytest.raises(openai.BadRequestError) as caught:
         sdk(stack, key).chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
     assert caught.value.param == "messages.0.content.1"
     assert "'vision' capability" in caught.value.message
-    assert stack.store.count_jobs() == before
+    assert stack.store.jobs.count_jobs() == before
 
 
 def test_n_gives_that_many_choices_from_one_job(stack: Stack, key: str) -> None:

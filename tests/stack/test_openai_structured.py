@@ -150,7 +150,7 @@ def sim_api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Sim
     redis_url = own_redis_url(redis_server, __name__, "20")
     settings = Settings(redis_url=redis_url, database_url=url)
     store = Store(url)
-    _, api_key = store.create_tenant("openai-structured-sim", ["chat", "finance"])
+    _, api_key = store.tenants.create_tenant("openai-structured-sim", ["chat", "finance"])
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     advertise_sim_worker(client, settings)

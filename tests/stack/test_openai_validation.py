@@ -27,6 +27,7 @@ from store import Store, upgrade
 from tests.helpers import own_redis_url
 from tests.stack.test_api_validation import advertise_worker, nothing_enqueued
 from tidegate import keys
+from tidegate.records import JobStatus
 from tidegate.settings import Settings
 from tidegate_tools.procs import Proc, free_port, start_api, start_batches, wait_until
 from tidegate_tools.stack import api_ready
@@ -52,8 +53,8 @@ def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     redis_url = own_redis_url(redis_server, __name__, "36")
     settings = Settings(redis_url=redis_url, database_url=url, batch_max_lines=3)
     store = Store(url)
-    _, key = store.create_tenant("openai-validation", ["chat", "batch"])
-    _, other = store.create_tenant("openai-chat-only", ["chat"])
+    _, key = store.tenants.create_tenant("openai-validation", ["chat", "batch"])
+    _, other = store.tenants.create_tenant("openai-chat-only", ["chat"])
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     advertise_worker(client, settings)
@@ -180,7 +181,7 @@ def test_a_batch_goes_on_after_its_api_and_driver_processes_are_killed(
     env = {**os.environ, "TIDEGATE_REDIS_URL": redis_url, "TIDEGATE_DATABASE_URL": url,
            "TIDEGATE_BATCH_POLL_S": "0.05", "TIDEGATE_BATCH_DRIVER_LOCK_S": "2"}
     store = Store(url)
-    tenant, key = store.create_tenant("batch-restart", ["chat", "batch"])
+    tenant, key = store.tenants.create_tenant("batch-restart", ["chat", "batch"])
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     advertise_chat_worker(client, settings)
@@ -193,17 +194,17 @@ def test_a_batch_goes_on_after_its_api_and_driver_processes_are_killed(
             upload = sdk.files.create(file=("in.jsonl", io.BytesIO(lines)), purpose="batch")
             batch = sdk.batches.create(input_file_id=upload.id,
                                        endpoint="/v1/chat/completions", completion_window="24h")
-            wait_until(lambda: len(store.list_jobs(tenant.id)) == 2, 120,
+            wait_until(lambda: len(store.jobs.list_jobs(tenant.id)) == 2, 120,
                        "the first driver to submit the batch's lines", procs)
             for proc in procs:
                 os.killpg(proc.popen.pid, signal.SIGKILL)
                 proc.popen.wait()
-        jobs = store.list_jobs(tenant.id)
+        jobs = store.jobs.list_jobs(tenant.id)
         assert {job.lane for job in jobs} == {"batch"} and all(j.priority == 0 for j in jobs)
         for job in jobs:  # what a worker does with them, while no API process runs
-            store.claim_job(job.id, "chat-batch@test", "vllm")
-            store.finish_job(job.id, "done", finish_reason="length", output_text="on its way",
-                             completion_tokens=2)
+            store.runs.claim_job(job.id, "chat-batch@test", "vllm")
+            store.runs.end_job(job.id, JobStatus.DONE, finish_reason="length",
+                               output_text="on its way", completion_tokens=2)
         with api_and_driver(env, tmp_root / "logs", "second", key) as (sdk, procs):
             wait_until(lambda: sdk.batches.retrieve(batch.id).status == "completed", 180,
                        "the new processes to complete the batch", procs)
@@ -214,7 +215,7 @@ def test_a_batch_goes_on_after_its_api_and_driver_processes_are_killed(
         assert sorted(o["custom_id"] for o in out) == ["r0", "r1"]
         assert {o["response"]["body"]["choices"][0]["message"]["content"] for o in out} == {
             "on its way"}
-        assert len(store.list_jobs(tenant.id)) == 2  # no line was submitted twice
+        assert len(store.jobs.list_jobs(tenant.id)) == 2  # no line was submitted twice
     finally:
         client.flushdb()
 

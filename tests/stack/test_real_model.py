@@ -51,7 +51,7 @@ def real_model() -> Path:
 def real_stack(real_model: Path, tmp_root: Path) -> Iterator[tuple[RunningStack, str]]:
     db = f"sqlite:///{tmp_root / 'real-model.db'}"
     upgrade(db)
-    _, key = Store(db).create_tenant("real-model", ["chat"])
+    _, key = Store(db).tenants.create_tenant("real-model", ["chat"])
     # The demo's lanes: the shipped ones, in float32 on a CPU (fitted_lanes).
     demo = get_settings().model_copy(update={"lanes_file": DEFAULT_LANES_FILE})
     lanes = fitted_lanes(demo, real_model) or DEFAULT_LANES_FILE

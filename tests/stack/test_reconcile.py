@@ -92,9 +92,9 @@ def accept(stack: Stack, lane: str, queue: str, *, session_id: str | None = None
         job_id=job_id, lane=lane, prompt=PROMPT, prompt_tokens=6,
         sampling=Sampling(max_tokens=MAX_TOKENS, temperature=0.0), session_id=session_id,
         deadline_at=time.time() + 60 if deadline_at is None else deadline_at)
-    stack.store.create_job(job_id, stack.tenant_id, lane, queue, PRIORITY, session_id,
-                           asdict(payload.sampling), payload.prompt_tokens,
-                           route_reason="test", payload=payload.to_dict())
+    stack.store.jobs.create_job(job_id, stack.tenant_id, lane, queue, PRIORITY, session_id,
+                                asdict(payload.sampling), payload.prompt_tokens,
+                                route_reason="test", payload=payload.to_dict())
     if send:
         send_generate(celery_app(), payload, queue, redis_priority(PRIORITY))
     return payload
@@ -109,7 +109,7 @@ def waiting(stack: Stack, queue: str) -> int:
 
 
 def status(stack: Stack, job_id: str) -> str | None:
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     return job.status if job else None
 
 
@@ -169,19 +169,19 @@ def test_a_dead_workers_taken_session_job_goes_back_to_the_pool(stack: Stack,
     session = f"s-{uuid.uuid4().hex[:8]}"
     with doomed_worker(stack, tmp_root) as (doomed, proc):
         payload, reader = held_mid_job(stack, doomed, proc, session_id=session)
-        record = stack.store.get_session(session, stack.tenant_id)
+        record = stack.store.sessions.get_session(session, stack.tenant_id)
         assert record is not None and record.last_worker == doomed  # it held the prefix
         os.killpg(proc.popen.pid, signal.SIGKILL)  # worker and engine, mid-job
         wait_until(reader.ended, 120, "the dead worker's session job to end",
                    worker_procs(stack))
     check_stream(reader, "done")
-    row = stack.store.get_job(payload.job_id)
+    row = stack.store.jobs.get_job(payload.job_id)
     assert row is not None and row.status == "done" and row.attempts == 2
     assert row.worker == stack.workers["chat"]
     assert [e.data["worker"] for e in reader.events if e.kind == "started"] == [doomed]
     assert waiting(stack, direct(stack, doomed)) == 0
-    assert stack.store.job_payload(payload.job_id) is None  # the prompt is not kept
-    record = stack.store.get_session(session, stack.tenant_id)
+    assert stack.store.jobs.job_payload(payload.job_id) is None  # the prompt is not kept
+    record = stack.store.sessions.get_session(session, stack.tenant_id)
     assert record is not None and record.last_worker == stack.workers["chat"]
 
 
@@ -192,7 +192,7 @@ def test_a_session_job_stranded_on_a_dead_workers_queue_ends_done_on_another(
     that must not be (a message queued for a pool with no worker now; a job leased by a
     live attempt) are left alone."""
     ghost, session = a_ghost(stack), f"s-{uuid.uuid4().hex[:8]}"
-    stack.store.touch_session(session, stack.tenant_id, ghost)
+    stack.store.sessions.touch_session(session, stack.tenant_id, ghost)
     waits = accept(stack, "chat", "chat.trtllm")  # no trtllm worker: it waits, and stays one
     leased = accept(stack, "chat", "chat.vllm", send=False)
     stack.redis.set(keys.job_lease(stack.namespace, leased.job_id), "alive/attempt", ex=60)
@@ -203,23 +203,23 @@ def test_a_session_job_stranded_on_a_dead_workers_queue_ends_done_on_another(
         wait_until(lambda: all(r.ended() for r in readers), 60, "both jobs to end")
         for reader in readers:
             check_stream(reader, "done")
-            row = stack.store.get_job(reader.job_id)
+            row = stack.store.jobs.get_job(reader.job_id)
             assert row is not None and row.status == "done"
             assert row.worker == stack.workers["chat"] and row.attempts == 1
         assert waiting(stack, direct(stack, ghost)) == 0
-        row = stack.store.get_job(dropped.job_id)
+        row = stack.store.jobs.get_job(dropped.job_id)
         assert row is not None and row.route_reason is not None
         assert row.route_reason.startswith("sent again by the reconciler")
         # Judged in the same passes as `dropped`, which was sent again: left alone.
         assert waiting(stack, "chat.trtllm") == 1 and status(stack, waits.job_id) == "queued"
         assert status(stack, leased.job_id) == "queued"
-        assert stack.store.job_payload(leased.job_id) is not None
+        assert stack.store.jobs.job_payload(leased.job_id) is not None
     finally:
         for sub in keys.queue_sublists("chat.trtllm"):
             stack.redis.delete(sub)
         stack.redis.delete(keys.job_lease(stack.namespace, leased.job_id))
         for job in (waits, leased):
-            stack.store.cancel_job(job.job_id)
+            stack.store.runs.cancel_job(job.job_id)
 
 
 @pytest.mark.timeout(900)  # a vLLM worker of its own starts first
@@ -251,16 +251,16 @@ def test_a_cancelled_job_whose_worker_died_ends_its_stream(stack: Stack, schedul
     end = reader.events[-1].data
     assert end["finish_reason"] == "cancelled"
     assert end.get("usage", {}).get("completion_tokens", streamed) == streamed
-    row = stack.store.get_job(payload.job_id)
+    row = stack.store.jobs.get_job(payload.job_id)
     assert row is not None and row.status == "cancelled"
     assert row.output_text == "".join(e.text for e in tokens)
     assert row.completion_tokens == streamed
     assert stack.redis.ttl(keys.job_events(stack.namespace, payload.job_id)) > 0
-    assert stack.store.job_payload(payload.job_id) is None
+    assert stack.store.jobs.job_payload(payload.job_id) is None
 
 
 def finished(stack: Stack, job_id: str) -> bool:
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     return row is not None and row.finished_at is not None
 
 
@@ -274,7 +274,7 @@ def test_an_orphan_past_its_deadline_ends_expired(stack: Stack, scheduler: Proc)
     check_stream(reader, "error")
     assert reader.events[-1].data["code"] == "deadline_exceeded"
     assert status(stack, payload.job_id) == "expired"
-    assert stack.store.job_payload(payload.job_id) is None
+    assert stack.store.jobs.job_payload(payload.job_id) is None
 
 
 # -- Redis restarted empty -----------------------------------------------------------
@@ -354,20 +354,20 @@ def test_jobs_queued_when_redis_restarts_empty_all_end_done(
                    [redis_procs[-1], scheduler, *worker_procs(stack)])
         for reader in readers:
             check_stream(reader, "done")
-            row = stack.store.get_job(reader.job_id)
+            row = stack.store.jobs.get_job(reader.job_id)
             assert row is not None and row.status == "done"
             tokens = [e for e in reader.events if e.kind == "token"]
             assert row.output_text == "".join(e.text for e in tokens)
             assert row.completion_tokens == sum(len(e.token_ids) for e in tokens)
         # A worker may still read one message Redis had sent it before it died; the rest
         # are in no queue any more, only in the store.
-        resent = [job_id for job_id in ids if (row := stack.store.get_job(job_id)) and
+        resent = [job_id for job_id in ids if (row := stack.store.jobs.get_job(job_id)) and
                   (row.route_reason or "").startswith("sent again by the reconciler")]
         assert len(resent) >= len(ids) - len(stack.workers)
         # A resent job's worker span is in the trace its submit began (the stored payload
         # keeps the trace context), not in a new one.
         for job_id in resent:
-            row = stack.store.get_job(job_id)
+            row = stack.store.jobs.get_job(job_id)
             assert row is not None and row.trace_id is not None
             assert [s.trace_id for s in job_spans(traces, job_id)] == [row.trace_id]
     finally:

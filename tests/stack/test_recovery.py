@@ -80,7 +80,7 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair(stack: Stack, tmp_root: Path, traces: OtlpReceiver) -> Iterator[Pair]:
-    _, key = stack.store.create_tenant("recovery-tenant", [LANE])
+    _, key = stack.store.tenants.create_tenant("recovery-tenant", [LANE])
     p = Pair(key, traces)
     try:
         for core, name in enumerate(("recover-a@tidegate", "recover-b@tidegate")):
@@ -132,7 +132,7 @@ def read_to_end(stack: Stack, key: str, job_id: str, procs: list[Proc]) -> Reade
 
 
 def worker_of(stack: Stack, job_id: str) -> str:
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.worker is not None, f"job {job_id} has no worker yet"
     return row.worker
 
@@ -157,7 +157,7 @@ def mid_job(stack: Stack, pair: Pair) -> Iterator[tuple[str, Reader, str]]:
                    f"a worker to hold job {job_id}", list(pair.procs.values()), poll_s=0.05)
         worker = worker_of(stack, job_id)
         hold([n for n in names if n != worker], 0)
-        row = stack.store.get_job(job_id)
+        row = stack.store.jobs.get_job(job_id)
         assert row is not None and row.status == "running"
         yield job_id, reader, worker
     finally:
@@ -212,7 +212,7 @@ def test_a_job_outliving_its_lease_keeps_it_and_runs_once(stack: Stack, pair: Pa
         assert owner is not None and stack.redis.get(lease) == owner  # renewed, not taken
     wait_until(reader.ended, 120, "the job to end", list(pair.procs.values()))
     check_stream(reader.events)
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "done" and row.attempts == 1
     assert len(reader.tokens()) == MAX_TOKENS
 
@@ -234,7 +234,7 @@ def test_a_second_delivery_of_a_running_job_waits_and_does_not_run_it_again(
                    "a worker to take the second delivery")
     wait_until(reader.ended, 120, "the job to end", list(pair.procs.values()))
     check_stream(reader.events)
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "done" and row.attempts == 1
     assert len(reader.tokens()) == MAX_TOKENS
     wait_until(lambda: skipped(pair) > skipped_before, 30,
@@ -248,11 +248,11 @@ def skipped(pair: Pair) -> int:
 
 def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
     job_id = str(uuid.uuid4())
-    tenant = stack.store.tenant_by_key(pair.key)
+    tenant = stack.store.tenants.tenant_by_key(pair.key)
     assert tenant is not None
-    stack.store.create_job(job_id, tenant.id, LANE, QUEUE, 5, None, {"max_tokens": 8}, 12)
+    stack.store.jobs.create_job(job_id, tenant.id, LANE, QUEUE, 5, None, {"max_tokens": 8}, 12)
     for attempt in range(MAX_ATTEMPTS):  # each died with its worker (faked: the row only)
-        stack.store.claim_job(job_id, f"dead-{attempt}@gone", "vllm")
+        stack.store.runs.claim_job(job_id, f"dead-{attempt}@gone", "vllm")
     payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=PROMPT, prompt_tokens=12,
                               sampling=Sampling(max_tokens=8, temperature=0.0))
     before = counters(stack, pair, list(pair.procs))
@@ -260,7 +260,7 @@ def test_a_job_taken_up_too_often_ends_poison(stack: Stack, pair: Pair) -> None:
     reader = read_to_end(stack, pair.key, job_id, list(pair.procs.values()))
     assert [e.kind for e in reader.events] == ["error"]  # never started: nothing to resume
     assert reader.events[-1].data["code"] == "poison"
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "error"
     assert row.attempts == MAX_ATTEMPTS + 1
     # Whichever worker took it counted one poison job (and one taken-over attempt: the
@@ -285,7 +285,7 @@ def test_a_stalled_worker_loses_its_job_and_cannot_write_to_it_when_it_wakes(
         finally:
             os.killpg(group, signal.SIGCONT)
     check_stream(reader.events)
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "done" and row.attempts == 2
     assert row.worker == survivor
     assert len(reader.tokens()) == MAX_TOKENS == row.completion_tokens
@@ -308,7 +308,7 @@ def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
                [pair.procs[survivor]])
 
     check_stream(reader.events)
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "done" and row.attempts == 2
     assert row.worker == survivor
     assert row.output_text == "".join(e.text for e in reader.events if e.kind == "token")
@@ -329,7 +329,7 @@ def test_a_killed_workers_job_resumes_on_the_other_with_no_gap_or_repeat(
     other_id = submit(stack, pair.key)
     uninterrupted = read_to_end(stack, pair.key, other_id, [pair.procs[survivor]])
     check_stream(uninterrupted.events)
-    other = stack.store.get_job(other_id)
+    other = stack.store.jobs.get_job(other_id)
     assert other is not None and other.completion_tokens == len(uninterrupted.tokens())
     assert reader.tokens() == uninterrupted.tokens()
     # The dead worker's lease is gone and nothing of the job waits in the lane queue.
@@ -369,7 +369,7 @@ def test_a_job_whose_workers_die_max_attempts_times_ends_poison(
     assert [e.kind for e in events].count("started") == 1 and events[0].kind == "started"
     assert events[-1].kind == "error" and events[-1].data["code"] == "poison"
     assert len(reader.tokens()) >= HELD_AFTER  # what the dead attempts streamed stays
-    row = stack.store.get_job(job_id)
+    row = stack.store.jobs.get_job(job_id)
     assert row is not None and row.status == "error"
     assert row.attempts == MAX_ATTEMPTS + 1
     assert row.completion_tokens == len(reader.tokens())

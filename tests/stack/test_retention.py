@@ -30,6 +30,7 @@ from store.models import File
 from tests.helpers import own_redis_url, running_driver
 from tests.stack.test_openai_validation import advertise_chat_worker
 from tidegate import keys
+from tidegate.records import JobStatus
 from tidegate.settings import Settings
 from tidegate_tools.procs import wait_until
 
@@ -53,7 +54,7 @@ def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     settings = Settings(redis_url=redis_url, database_url=url, namespace="tgretention",
                         batch_poll_s=0.05)
     store = Store(url)
-    tenant, key = store.create_tenant("retention", ["chat", "batch"])
+    tenant, key = store.tenants.create_tenant("retention", ["chat", "batch"])
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
     advertise_chat_worker(client, settings)
@@ -83,16 +84,16 @@ def run_batch(api: Api, **create: object) -> openai.types.Batch:
     prefix = f"{batch.id}:"
     wait_until(lambda: len(line_jobs(api, prefix)) == 2, 20, "the driver to submit the lines")
     for job in line_jobs(api, prefix):
-        api.store.claim_job(job.id, "chat-batch@test", "vllm")
-        api.store.finish_job(job.id, "done", finish_reason="length", output_text="fine",
-                             completion_tokens=2)
+        api.store.runs.claim_job(job.id, "chat-batch@test", "vllm")
+        api.store.runs.end_job(job.id, JobStatus.DONE, finish_reason="length", output_text="fine",
+                               completion_tokens=2)
     wait_until(lambda: api.sdk.batches.retrieve(batch.id).status == "completed", 20,
                "the driver to complete the batch")
     return api.sdk.batches.retrieve(batch.id)
 
 
 def line_jobs(api: Api, prefix: str) -> list:
-    return [job for job in api.store.list_jobs(api.tenant_id)
+    return [job for job in api.store.jobs.list_jobs(api.tenant_id)
             if (job.idempotency_key or "").startswith(prefix)]
 
 
@@ -154,7 +155,7 @@ def db(redis_server: str, tmp_root: Path) -> Iterator[Db]:
     url = f"sqlite:///{tmp_root / 'retention-store.db'}"
     upgrade(url)
     store = Store(url)
-    tenant, _ = store.create_tenant("retention-store", ["chat", "batch"])
+    tenant, _ = store.tenants.create_tenant("retention-store", ["chat", "batch"])
     settings = Settings(redis_url=own_redis_url(redis_server, __name__, "8"), database_url=url,
                         namespace="tgretentionstore")
     try:
@@ -177,7 +178,7 @@ def test_an_uploaded_file_goes_after_its_retention_unless_an_open_batch_reads_it
         db: Db) -> None:
     reads, idle, legacy = uploaded(db, "read.jsonl"), uploaded(db, "idle.jsonl"), uploaded(
         db, "old.jsonl")
-    with db.store._write() as session:  # a file from before migration 0013: no expires_at
+    with db.store.write() as session:  # a file from before migration 0013: no expires_at
         session.execute(update(File).where(File.id == legacy).values(expires_at=None))
     batch = db.batches.create_batch(db.tenant_id, "/v1/chat/completions", DAY, "24h", reads,
                                     1, None)
@@ -199,23 +200,23 @@ def test_an_uploaded_file_goes_after_its_retention_unless_an_open_batch_reads_it
 def ended_job(db: Db, text: str, key: str | None = None, callback_url: str | None = None,
               ) -> str:
     job_id = str(uuid.uuid4())
-    db.store.create_job(job_id, db.tenant_id, "chat", "chat.vllm", 5, None, {}, 7,
-                        idempotency_key=key, callback_url=callback_url)
-    db.store.claim_job(job_id, "chat-test@retention", "vllm")
-    db.store.finish_job(job_id, "done", finish_reason="stop", output_text=text,
-                        completion_tokens=3)
+    db.store.jobs.create_job(job_id, db.tenant_id, "chat", "chat.vllm", 5, None, {}, 7,
+                             idempotency_key=key, callback_url=callback_url)
+    db.store.runs.claim_job(job_id, "chat-test@retention", "vllm")
+    db.store.runs.end_job(job_id, JobStatus.DONE, finish_reason="stop", output_text=text,
+                          completion_tokens=3)
     return job_id
 
 
 def test_a_jobs_text_goes_after_its_retention_and_its_row_and_usage_stay(db: Db) -> None:
     job_id = ended_job(db, "the answer, kept a while")
-    before = db.store.get_job(job_id)
+    before = db.store.jobs.get_job(job_id)
     assert before is not None and before.output_text == "the answer, kept a while"
     retention.purge(db.store, db.settings, now=utcnow() + 29 * DAY)
-    assert db.store.get_job(job_id).output_text == "the answer, kept a while"  # type: ignore[union-attr]
+    assert db.store.jobs.get_job(job_id).output_text == "the answer, kept a while"  # type: ignore[union-attr]
     removed = retention.purge(db.store, db.settings, now=utcnow() + 31 * DAY)
     assert removed["job_texts"] >= 1
-    after = db.store.get_job(job_id)
+    after = db.store.jobs.get_job(job_id)
     assert after is not None and after.output_text is None
     assert (after.status, after.prompt_tokens, after.completion_tokens, after.finish_reason) == (
         before.status, 7, 3, "stop")
@@ -230,12 +231,12 @@ def test_a_jobs_text_waits_for_its_open_batch_and_its_webhook(db: Db) -> None:
     hooked = ended_job(db, "for the webhook", callback_url="http://127.0.0.1:9/hook")
     alone = ended_job(db, "nobody waits for this")
     retention.purge(db.store, db.settings, now=utcnow() + 31 * DAY)
-    assert db.store.get_job(alone).output_text is None  # type: ignore[union-attr]
-    assert db.store.get_job(of_batch).output_text == "a batch line's answer"  # type: ignore[union-attr]
-    assert db.store.get_job(hooked).output_text == "for the webhook"  # type: ignore[union-attr]
+    assert db.store.jobs.get_job(alone).output_text is None  # type: ignore[union-attr]
+    assert db.store.jobs.get_job(of_batch).output_text == "a batch line's answer"  # type: ignore[union-attr]
+    assert db.store.jobs.get_job(hooked).output_text == "for the webhook"  # type: ignore[union-attr]
     batches.update_batch(batch.id, status="cancelled")
     retention.purge(db.store, db.settings, now=utcnow() + 31 * DAY)
-    assert db.store.get_job(of_batch).output_text is None  # type: ignore[union-attr]
+    assert db.store.jobs.get_job(of_batch).output_text is None  # type: ignore[union-attr]
 
 
 # -- the beat ----------------------------------------------------------------------------
@@ -250,7 +251,7 @@ def test_the_scheduler_beat_runs_the_purge_once_a_period(db: Db) -> None:
     client = redis.Redis.from_url(settings.redis_url)
     first = purge_pass(client, db.store, settings)
     assert first["acted"] and first["job_texts"] >= 1
-    assert db.store.get_job(job_id).output_text is None  # type: ignore[union-attr]
+    assert db.store.jobs.get_job(job_id).output_text is None  # type: ignore[union-attr]
     assert purge_pass(client, db.store, settings) == {"acted": False}  # one per period
     actions = [json.loads(fields[b"a"]) for _, fields in
                client.xrange(keys.scheduler_actions(settings.namespace))]

@@ -158,7 +158,7 @@ def final_stream(stack: Stack, job_id: str) -> list[Event]:
 
 
 def finished_at(stack: Stack, job_id: str) -> float:
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None and job.finished_at is not None
     at = job.finished_at
     return (at if at.tzinfo else at.replace(tzinfo=UTC)).timestamp()

@@ -61,12 +61,12 @@ def test_a_refused_submit_is_retried_with_its_key_and_makes_one_job(api: Api) ->
 
     client = sdk(http, key, retries=3)
     client.http.event_hooks = {"response": [on_response]}
-    before = store.count_jobs()
+    before = store.jobs.count_jobs()
     job = client.submit("chat", prompt="Where is my parcel?", max_tokens=4)
     assert [status for status, _, _ in seen] == [503, 202]
     assert seen[0][2] is not None and int(seen[0][2]) > 0  # the API said when
     assert seen[0][1] is not None and seen[0][1] == seen[1][1]  # one key for both tries
-    assert store.count_jobs() == before + 1 and client.job(job["job_id"])["status"] == "queued"
+    assert store.jobs.count_jobs() == before + 1 and client.job(job["job_id"])["status"] == "queued"
 
 
 def test_a_caller_given_key_is_sent_as_is(api: Api) -> None:

@@ -139,7 +139,7 @@ def ha_stack(trio: Trio, model_path: Path, tmp_root: Path) -> Iterator[HaStack]:
     db = f"sqlite:///{tmp_root / 'sentinel.db'}"
     upgrade(db)
     store = Store(db)
-    _, key = store.create_tenant("ha-tenant", [LANE])
+    _, key = store.tenants.create_tenant("ha-tenant", [LANE])
     env = {**os.environ, "TIDEGATE_REDIS_URL": trio.url, "TIDEGATE_DATABASE_URL": db}
     # The scheduler's beat, reconciler only (no autoscaling tick): it starts while the
     # engine loads.
@@ -200,7 +200,7 @@ def assert_heard_and_stored_done(ha: JobStack, reader: Reader) -> None:
     assert [e.seq for e in events] == list(range(len(events))), \
         f"job {reader.job_id}: events missing or repeated"
     assert events[-1].kind == "done", f"job {reader.job_id} ended {events[-1]}"
-    job = ha.store.get_job(reader.job_id)
+    job = ha.store.jobs.get_job(reader.job_id)
     assert job is not None and job.status == JobStatus.DONE, f"job {reader.job_id}: {job}"
     assert "".join(e.text for e in events if e.kind == "token") == job.output_text
 

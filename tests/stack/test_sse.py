@@ -29,6 +29,7 @@ from store import Store
 from tests.helpers import api_of_its_own, own_db
 from tidegate import keys
 from tidegate.events import Event
+from tidegate.records import JobStatus
 
 PERIODS = {"sse_keepalive_s": 0.25, "sse_end_grace_s": 1.0, "sse_max_lifetime_s": 3.0}
 ASK = [{"role": "user", "content": "Where is my parcel?"}]
@@ -61,7 +62,7 @@ class Api:
 def api(redis_server: str, model_path: Path, tmp_root: Path) -> Iterator[Api]:
     with api_of_its_own(redis_server, tmp_root, "sse", own_db(__name__, "13"), [("chat", "vllm")],
                         **PERIODS) as own:
-        _, key = own.store.create_tenant("sse", ["chat"])
+        _, key = own.store.tenants.create_tenant("sse", ["chat"])
         yield Api(own.base_url, key, own.store, own.redis, own.namespace)
 
 
@@ -122,7 +123,7 @@ def test_a_stream_without_its_end_event_ends_once_the_job_has_ended(api: Api) ->
     job_id = api.submit()
     api.append(job_id, 0, "started")
     api.append(job_id, 1, "token")
-    assert api.store.expire_job(job_id)
+    assert api.store.runs.expire_job(job_id)
     got = read(api, job_id)
     assert [(f.id, f.event) for f in got.frames[:2]] == [("0", "started"), ("1", "token")]
     assert f"GET /v1/jobs/{job_id}" in ends_with_error(got, "stream_gone")
@@ -137,7 +138,7 @@ def test_a_quiet_stream_ends_when_its_job_ends_with_no_event(api: Api) -> None:
 
     def expire_after_two(keepalives: int) -> None:
         if keepalives == 2:
-            expired.append(api.store.expire_job(job_id))
+            expired.append(api.store.runs.expire_job(job_id))
 
     got = read(api, job_id, on_keepalive=expire_after_two)
     assert expired == [True] and got.keepalives >= 2
@@ -148,7 +149,8 @@ def test_a_quiet_stream_ends_when_its_job_ends_with_no_event(api: Api) -> None:
 def test_an_expired_stream_of_a_long_ended_job_ends_at_once(api: Api) -> None:
     job_id = api.submit()
     long_ago = datetime.now(UTC) - timedelta(hours=2)
-    assert api.store.finish_job(job_id, "done", finish_reason="length", finished_at=long_ago)
+    assert api.store.runs.end_job(job_id, JobStatus.DONE, finish_reason="length",
+                                  finished_at=long_ago)[0]
     got = read(api, job_id)
     assert "done" in ends_with_error(got, "stream_gone") and len(got.frames) == 1
     assert got.keepalives == 0  # no wait: it ended before the grace began

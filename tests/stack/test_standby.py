@@ -71,7 +71,7 @@ def alloc_latency_ms(stack: Stack, name: str) -> float | None:
 @pytest.fixture(scope="module")
 def pair(stack: Stack, tmp_root: Path) -> Iterator[Pair]:
     p = Pair("standby-a@tidegate", "standby-b@tidegate", tmp_root / "logs")
-    _, key = stack.store.create_tenant("standby-tenant", [LANE])
+    _, key = stack.store.tenants.create_tenant("standby-tenant", [LANE])
     p.key = key  # type: ignore[attr-defined]
     try:
         p.start("a", standby=False)
@@ -89,8 +89,8 @@ def send_direct(stack: Stack, worker: str, prompt: str, max_tokens: int = 4) -> 
     """A job straight to one worker's direct queue, so that no other worker can take it;
     the stack's tenant owns it. Returns its id."""
     job_id, queue = str(uuid.uuid4()), keys.direct_queue(stack.namespace, worker)
-    stack.store.create_job(job_id, stack.tenant_id, LANE, queue, 5, None,
-                           {"max_tokens": max_tokens}, 4)
+    stack.store.jobs.create_job(job_id, stack.tenant_id, LANE, queue, 5, None,
+                                {"max_tokens": max_tokens}, 4)
     payload = GeneratePayload(job_id=job_id, lane=LANE, prompt=prompt, prompt_tokens=4,
                               sampling=Sampling(max_tokens=max_tokens))
     send_generate(make_app(get_settings()), payload, queue, 5)
@@ -102,7 +102,7 @@ def cached_tokens(stack: Stack, worker: str, prompt: str) -> int:
     job_id = send_direct(stack, worker, prompt)
     with Client(stack.base_url, stack.api_key) as client:
         assert list(client.stream(job_id))[-1].kind == "done"
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     assert job is not None and job.worker == worker
     return job.cached_tokens or 0
 
@@ -195,7 +195,7 @@ def test_the_scheduler_prewarms_a_standby_worker_ahead_of_forecast_traffic(
     # on (today being quiet halves it: the trend is clamped at 0.5).
     for minute in range(-30, 45):
         at = now - timedelta(days=1) + timedelta(minutes=minute)
-        stack.store.record_arrivals(LANE, at, 1_000_000)
+        stack.store.traffic.record_arrivals(LANE, at, 1_000_000)
     actions = this_lanes(autoscale.autoscale(app, stack.redis, stack.store, settings, now=now))
     assert [(a["action"], a["worker"], a["verified"]) for a in actions] == [
         ("activate", pair.b, True)]
@@ -314,7 +314,7 @@ def test_high_allocation_latency_gets_the_cheap_fix_then_a_rolling_restart(
     assert not load.is_alive() and load.failures == []
     assert load.served and all(j["status"] == "done" for j in load.served)
     for job_id in running_on_b:
-        job = stack.store.get_job(job_id)
+        job = stack.store.jobs.get_job(job_id)
         assert job is not None and job.status == "done" and job.completion_tokens == 1800
     wait_until(lambda: state_of(stack, pair.b) == "active", 10, "b's heartbeat to say active")
     assert boot_of(stack, pair.b) != old_boot  # a new process, with a new engine, serves
@@ -324,7 +324,7 @@ def test_high_allocation_latency_gets_the_cheap_fix_then_a_rolling_restart(
 
 
 def _started(stack: Stack, job_id: str) -> bool:
-    job = stack.store.get_job(job_id)
+    job = stack.store.jobs.get_job(job_id)
     return job is not None and job.started_at is not None
 
 

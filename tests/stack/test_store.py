@@ -33,6 +33,7 @@ from store import (
 )
 from store.webhooks import Webhooks
 from tests.helpers import postgres_or_skip
+from tidegate.records import JobStatus
 from tidegate_tools.pg import private_database
 
 PG_DATABASE = "tidegate_test_store"
@@ -75,7 +76,7 @@ def store(db_url: str) -> Iterator[Store]:
 
 @pytest.fixture
 def tenant_id(store: Store) -> int:
-    return store.create_tenant("acme", ["chat", "finance"])[0].id
+    return store.tenants.create_tenant("acme", ["chat", "finance"])[0].id
 
 
 def new_job(store: Store, tenant_id: int, **kw: Any) -> JobRecord:
@@ -90,7 +91,7 @@ def new_job(store: Store, tenant_id: int, **kw: Any) -> JobRecord:
         "prompt_tokens": 12,
     }
     args.update(kw)
-    return store.create_job(**args)[0]
+    return store.jobs.create_job(**args)[0]
 
 
 def run_together(n: int, fn: Callable[[int], Any]) -> list[Any]:
@@ -141,26 +142,26 @@ def test_upgrade_is_at_head_and_repeatable(db_url: str) -> None:
 
 
 def test_tenant_key_round_trip_and_revoke(store: Store) -> None:
-    tenant, key = store.create_tenant("acme", ["chat", "finance"])
+    tenant, key = store.tenants.create_tenant("acme", ["chat", "finance"])
     assert key.startswith("tg_") and len(key) > 40
     assert tenant.lanes == ("chat", "finance") and tenant.active
-    assert store.tenant_by_key(key) == tenant
-    assert store.tenant_by_key(key + "x") is None
+    assert store.tenants.tenant_by_key(key) == tenant
+    assert store.tenants.tenant_by_key(key + "x") is None
     with store.engine.connect() as conn:
         stored = conn.execute(text("SELECT key_hash FROM api_keys")).scalar_one()
     assert stored == hashlib.sha256(key.encode()).hexdigest()  # the key itself is not stored
 
     with pytest.raises(TenantExistsError, match="acme") as err:
-        store.create_tenant("acme", ["chat"])
+        store.tenants.create_tenant("acme", ["chat"])
     assert isinstance(err.value, ValueError)
 
-    other, other_key = store.create_tenant("globex", ["chat"])
-    assert store.revoke_tenant("acme") is True
-    assert store.tenant_by_key(key) is None
-    assert store.revoke_tenant("acme") is False
-    assert store.revoke_tenant("nobody") is False
-    assert store.tenant_by_key(other_key) == other
-    listed = store.list_tenants()
+    other, other_key = store.tenants.create_tenant("globex", ["chat"])
+    assert store.tenants.revoke_tenant("acme") is True
+    assert store.tenants.tenant_by_key(key) is None
+    assert store.tenants.revoke_tenant("acme") is False
+    assert store.tenants.revoke_tenant("nobody") is False
+    assert store.tenants.tenant_by_key(other_key) == other
+    listed = store.tenants.list_tenants()
     assert [t.name for t in listed] == ["acme", "globex"]
     assert listed[0].revoked_at is not None and not listed[0].active
 
@@ -172,20 +173,20 @@ def test_create_and_read_job(store: Store, tenant_id: int) -> None:
     job = new_job(store, tenant_id, session_id="s1")
     assert job.status == "queued" and job.attempts == 0 and not job.terminal
     assert job.enqueued_at.tzinfo is not None and job.enqueued_at.utcoffset() == timedelta(0)
-    assert store.get_job(job.id) == job
-    assert store.get_job("no-such-job") is None
+    assert store.jobs.get_job(job.id) == job
+    assert store.jobs.get_job("no-such-job") is None
     with pytest.raises(FrozenInstanceError):
         job.status = "done"  # type: ignore[misc]
     job.sampling["temperature"] = 2.0  # a record is a copy, not a view of the row
-    assert store.get_job(job.id).sampling["temperature"] == 0.7  # type: ignore[union-attr]
-    assert store.count_jobs() == 1 and store.count_jobs("queued") == 1
-    assert store.delete_job(job.id) is True
-    assert store.delete_job(job.id) is False
-    assert store.count_jobs() == 0
+    assert store.jobs.get_job(job.id).sampling["temperature"] == 0.7  # type: ignore[union-attr]
+    assert store.jobs.count_jobs() == 1 and store.jobs.count_jobs("queued") == 1
+    assert store.jobs.delete_job(job.id) is True
+    assert store.jobs.delete_job(job.id) is False
+    assert store.jobs.count_jobs() == 0
 
 
 def keyed_job(store: Store, tenant_id: int, key: str) -> tuple[JobRecord, bool]:
-    job, created, _ = store.create_job(
+    job, created, _ = store.jobs.create_job(
         str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {}, 3, idempotency_key=key
     )
     return job, created
@@ -196,7 +197,7 @@ def test_idempotency_key(store: Store, tenant_id: int) -> None:
     assert created
     again, created = keyed_job(store, tenant_id, "order-1")
     assert not created and again == first
-    other_tenant = store.create_tenant("globex", ["chat"])[0].id
+    other_tenant = store.tenants.create_tenant("globex", ["chat"])[0].id
     theirs, created = keyed_job(store, other_tenant, "order-1")
     assert created and theirs.id != first.id
     assert new_job(store, tenant_id).id != new_job(store, tenant_id).id  # no key: always new
@@ -206,12 +207,12 @@ def test_concurrent_creates_with_one_key_make_one_job(store: Store, tenant_id: i
     results = run_together(THREADS, lambda i: keyed_job(store, tenant_id, "burst"))
     assert sum(created for _, created in results) == 1
     assert len({job.id for job, _ in results}) == 1
-    assert store.count_jobs() == 1
+    assert store.jobs.count_jobs() == 1
 
 
 def test_claim_semantics(store: Store, tenant_id: int) -> None:
     job = new_job(store, tenant_id)
-    claimed = store.claim_job(job.id, "w1", "vllm")
+    claimed = store.runs.claim_job(job.id, "w1", "vllm")
     assert claimed is not None
     assert (claimed.status, claimed.attempts, claimed.worker, claimed.engine) == (
         "running",
@@ -224,33 +225,33 @@ def test_claim_semantics(store: Store, tenant_id: int) -> None:
     assert claimed.queue_wait_ms == pytest.approx(wait_ms, abs=0.01)
 
     # A redelivery after a worker death claims again but keeps the first start.
-    again = store.claim_job(job.id, "w2", "trtllm")
+    again = store.runs.claim_job(job.id, "w2", "trtllm")
     assert again is not None
     assert (again.attempts, again.worker, again.engine) == (2, "w2", "trtllm")
     assert again.started_at == claimed.started_at
     assert again.queue_wait_ms == claimed.queue_wait_ms
 
-    assert store.finish_job(job.id, "done", completion_tokens=1, output_text="ok")
-    finished = store.get_job(job.id)
-    assert store.claim_job(job.id, "w3", "vllm") is None
-    assert store.get_job(job.id) == finished  # nothing changed
-    assert store.claim_job("no-such-job", "w1", "vllm") is None
+    assert store.runs.end_job(job.id, JobStatus.DONE, completion_tokens=1, output_text="ok")[0]
+    finished = store.jobs.get_job(job.id)
+    assert store.runs.claim_job(job.id, "w3", "vllm") is None
+    assert store.jobs.get_job(job.id) == finished  # nothing changed
+    assert store.runs.claim_job("no-such-job", "w1", "vllm") is None
 
-    for stop in (store.cancel_job, store.expire_job):
+    for stop in (store.runs.cancel_job, store.runs.expire_job):
         stopped = new_job(store, tenant_id)
         stop(stopped.id)
-        assert store.claim_job(stopped.id, "w1", "vllm") is None
-        assert store.get_job(stopped.id).attempts == 0  # type: ignore[union-attr]
+        assert store.runs.claim_job(stopped.id, "w1", "vllm") is None
+        assert store.jobs.get_job(stopped.id).attempts == 0  # type: ignore[union-attr]
 
 
 def test_concurrent_claims_of_one_queued_job(store: Store, tenant_id: int) -> None:
     job = new_job(store, tenant_id)
-    claims = run_together(THREADS, lambda i: store.claim_job(job.id, f"w{i}", "vllm"))
+    claims = run_together(THREADS, lambda i: store.runs.claim_job(job.id, f"w{i}", "vllm"))
     # No lost update: each delivery saw the previous one's count, and exactly one of
     # them moved the job out of queued (attempts == 1).
     assert sorted(c.attempts for c in claims) == list(range(1, THREADS + 1))
     assert len({c.started_at for c in claims}) == 1
-    final = store.get_job(job.id)
+    final = store.jobs.get_job(job.id)
     assert final is not None and final.attempts == THREADS and final.status == "running"
 
 
@@ -259,12 +260,12 @@ def test_claims_racing_a_cancel(store: Store, tenant_id: int) -> None:
 
     def act(i: int) -> Any:
         if i == 0:
-            return store.cancel_job(job.id)
-        return store.claim_job(job.id, f"w{i}", "vllm")
+            return store.runs.cancel_job(job.id)
+        return store.runs.claim_job(job.id, f"w{i}", "vllm")
 
     results = run_together(THREADS + 1, act)
     claims = [c for c in results[1:] if c is not None]
-    final = store.get_job(job.id)
+    final = store.jobs.get_job(job.id)
     assert final is not None and final.status == "cancelled"
     # Claims after the cancel changed nothing; the ones before it each counted once.
     assert final.attempts == len(claims)
@@ -273,22 +274,22 @@ def test_claims_racing_a_cancel(store: Store, tenant_id: int) -> None:
 
 def test_first_token_and_finish_timings(store: Store, tenant_id: int) -> None:
     job = new_job(store, tenant_id)
-    started = store.claim_job(job.id, "w1", "vllm")
+    started = store.runs.claim_job(job.id, "w1", "vllm")
     assert started is not None and started.started_at is not None
     first = started.started_at + timedelta(milliseconds=250)
     # A non-UTC aware time is the same instant once stored.
-    assert store.mark_first_token(job.id, first.astimezone(timezone(timedelta(hours=8))))
-    assert not store.mark_first_token(job.id, first + timedelta(seconds=5))  # first one wins
+    assert store.runs.mark_first_token(job.id, first.astimezone(timezone(timedelta(hours=8))))
+    assert not store.runs.mark_first_token(job.id, first + timedelta(seconds=5))  # first one wins
     end = first + timedelta(seconds=1)
-    assert store.finish_job(
+    assert store.runs.end_job(
         job.id,
-        "done",
+        JobStatus.DONE,
         finish_reason="stop",
         output_text="hello",
         completion_tokens=11,
         finished_at=end,
-    )
-    done = store.get_job(job.id)
+    )[0]
+    done = store.jobs.get_job(job.id)
     assert done is not None
     assert done.first_token_at == first and done.first_token_at.tzinfo is not None
     assert done.ttft_ms == pytest.approx(250.0)
@@ -300,19 +301,19 @@ def test_first_token_and_finish_timings(store: Store, tenant_id: int) -> None:
         done.completion_tokens,
         done.finished_at,
     ) == ("done", "stop", "hello", 11, end)
-    assert not store.finish_job(job.id, "error", error="late")  # terminal: unchanged
-    assert store.get_job(job.id) == done
+    assert not store.runs.end_job(job.id, JobStatus.ERROR, error="late")[0]  # terminal: unchanged
+    assert store.jobs.get_job(job.id) == done
 
     single = new_job(store, tenant_id)
-    store.claim_job(single.id, "w1", "vllm")
-    store.mark_first_token(single.id, datetime.now(UTC))
-    store.finish_job(single.id, "done", completion_tokens=1)
-    assert store.get_job(single.id).tpot_ms is None  # type: ignore[union-attr]
+    store.runs.claim_job(single.id, "w1", "vllm")
+    store.runs.mark_first_token(single.id, datetime.now(UTC))
+    store.runs.end_job(single.id, JobStatus.DONE, completion_tokens=1)
+    assert store.jobs.get_job(single.id).tpot_ms is None  # type: ignore[union-attr]
 
     with pytest.raises(ValueError, match="naive"):
-        store.mark_first_token(single.id, datetime.now())
+        store.runs.mark_first_token(single.id, datetime.now())
     with pytest.raises(ValueError, match="terminal"):
-        store.finish_job(single.id, "running")
+        store.runs.end_job(single.id, JobStatus.RUNNING)
 
 
 @pytest.mark.parametrize("callback_url", ["https://crm.example.com/hook", None])
@@ -324,15 +325,15 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
     rows = []
     for hint in (True, False):
         job = new_job(store, tenant_id, callback_url=callback_url)
-        started = store.claim_job(job.id, "w1", "vllm")
+        started = store.runs.claim_job(job.id, "w1", "vllm")
         assert started is not None and started.started_at is not None
         first = started.started_at + timedelta(milliseconds=250)
-        assert store.mark_first_token(job.id, first)
+        assert store.runs.mark_first_token(job.id, first)
         end = first + timedelta(seconds=1)
-        ended, row = store.end_job(job.id, "done", finish_reason="stop", output_text="hi",
-                                   completion_tokens=11, finished_at=end,
-                                   first_token_at=first if hint else None)
-        assert ended and row == store.get_job(job.id)
+        ended, row = store.runs.end_job(job.id, "done", finish_reason="stop", output_text="hi",
+                                        completion_tokens=11, finished_at=end,
+                                        first_token_at=first if hint else None)
+        assert ended and row == store.jobs.get_job(job.id)
         assert row is not None and row.tpot_ms == pytest.approx(100.0)
         assert len(Webhooks(store).of_job(job.id, tenant_id)) == (1 if callback_url else 0)
         rows.append(row)
@@ -342,10 +343,10 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
     assert same[0] == same[1]
 
     running = new_job(store, tenant_id)
-    store.claim_job(running.id, "w1", "vllm")
-    store.cancel_job(running.id)
-    ended, row = store.end_job(running.id, "done", completion_tokens=2,
-                               first_token_at=datetime.now(UTC))
+    store.runs.claim_job(running.id, "w1", "vllm")
+    store.runs.cancel_job(running.id)
+    ended, row = store.runs.end_job(running.id, "done", completion_tokens=2,
+                                    first_token_at=datetime.now(UTC))
     assert not ended and row is not None and row.status == "cancelled"
     assert row.completion_tokens == 2 and row.finished_at is not None
 
@@ -359,19 +360,19 @@ def test_the_driver_path_reads_rows_as_the_orm_does_whatever_the_time_zone(
     upgrade(pg_url)
     st = Store(pg_url, connect_args={"options": "-c TimeZone=Asia/Tokyo"})
     try:
-        tenant = st.create_tenant(f"tz-{uuid.uuid4().hex[:8]}", ["chat"])[0]
+        tenant = st.tenants.create_tenant(f"tz-{uuid.uuid4().hex[:8]}", ["chat"])[0]
         job = new_job(st, tenant.id)
-        claimed = st.claim_job(job.id, "w1", "vllm")
+        claimed = st.runs.claim_job(job.id, "w1", "vllm")
         assert claimed is not None and claimed.started_at is not None
         assert claimed.started_at.utcoffset() == timedelta(0)
         assert claimed.queue_wait_ms == pytest.approx(
             (claimed.started_at - job.enqueued_at).total_seconds() * 1000, abs=0.01)
-        assert st.mark_first_token(job.id, claimed.started_at + timedelta(milliseconds=40),
-                                   cached_tokens=3, started_at=claimed.started_at)
-        ended, row = st.end_job(job.id, "done", completion_tokens=5, output_text="hello",
-                                first_token_at=claimed.started_at + timedelta(milliseconds=40))
+        assert st.runs.mark_first_token(job.id, claimed.started_at + timedelta(milliseconds=40),
+                                        cached_tokens=3, started_at=claimed.started_at)
+        ended, row = st.runs.end_job(job.id, "done", completion_tokens=5, output_text="hello",
+                                     first_token_at=claimed.started_at + timedelta(milliseconds=40))
         assert ended and row is not None and row.ttft_ms == pytest.approx(40.0)
-        assert row == st.get_job(job.id) == st.jobs_of_tenant(tenant.id)[0]
+        assert row == st.jobs.get_job(job.id) == st.jobs.jobs_of_tenant(tenant.id)[0]
     finally:
         st.close()
 
@@ -387,17 +388,17 @@ def test_a_connection_the_database_dropped_fails_one_call_then_the_pool_connects
     upgrade(pg_url)
     st = Store(pg_url)
     try:
-        tenant = st.create_tenant(f"drop-{uuid.uuid4().hex[:8]}", ["chat"])[0]
+        tenant = st.tenants.create_tenant(f"drop-{uuid.uuid4().hex[:8]}", ["chat"])[0]
         job = new_job(st, tenant.id)
-        assert st.get_job(job.id) is not None  # a pooled connection, used a moment ago
+        assert st.jobs.get_job(job.id) is not None  # a pooled connection, used a moment ago
         with make_engine(pg_url).connect() as admin:
             ended = admin.execute(text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                 "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar()
         assert ended
         with pytest.raises(OperationalError):
-            st.claim_job(job.id, "w1", "vllm")
-        claimed = st.claim_job(job.id, "w1", "vllm")
+            st.runs.claim_job(job.id, "w1", "vllm")
+        claimed = st.runs.claim_job(job.id, "w1", "vllm")
         assert claimed is not None and claimed.attempts == 1
     finally:
         st.close()
@@ -417,11 +418,11 @@ def test_a_database_that_refuses_connections_fails_the_driver_path_as_sqlalchemy
     st = Store(make_url(pg_url).set(port=free_port()).render_as_string(hide_password=False))
     try:
         with pytest.raises(OperationalError):
-            st.claim_job(str(uuid.uuid4()), "w1", "vllm")
+            st.runs.claim_job(str(uuid.uuid4()), "w1", "vllm")
         with pytest.raises(OperationalError):
-            st.end_job(str(uuid.uuid4()), "done", first_token_at=datetime.now(UTC))
+            st.runs.end_job(str(uuid.uuid4()), "done", first_token_at=datetime.now(UTC))
         with pytest.raises(OperationalError):
-            st.get_job(str(uuid.uuid4()))
+            st.jobs.get_job(str(uuid.uuid4()))
     finally:
         st.close()
 
@@ -432,52 +433,52 @@ def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
     time, TTFT and cached tokens from end_job, as mark_first_token would write them; a row
     that has a first token keeps it; a cancelled job's locked read writes it too."""
     job = new_job(store, tenant_id)
-    started = store.claim_job(job.id, "w1", "vllm")
+    started = store.runs.claim_job(job.id, "w1", "vllm")
     assert started is not None and started.started_at is not None
     first = started.started_at + timedelta(milliseconds=40)
-    ended, row = store.end_job(job.id, "done", finish_reason="length", output_text="a",
-                               completion_tokens=1, finished_at=first,
-                               first_token=FirstToken(first, started.started_at, 7))
-    assert ended and row is not None and row == store.get_job(job.id)
+    ended, row = store.runs.end_job(job.id, "done", finish_reason="length", output_text="a",
+                                    completion_tokens=1, finished_at=first,
+                                    first_token=FirstToken(first, started.started_at, 7))
+    assert ended and row is not None and row == store.jobs.get_job(job.id)
     assert row.first_token_at == first and row.ttft_ms == pytest.approx(40.0)
     assert row.cached_tokens == 7 and row.status == "done"
 
     marked = new_job(store, tenant_id)
-    started = store.claim_job(marked.id, "w1", "vllm")
+    started = store.runs.claim_job(marked.id, "w1", "vllm")
     assert started is not None and started.started_at is not None
     earlier = started.started_at + timedelta(milliseconds=10)
-    assert store.mark_first_token(marked.id, earlier, 3, started.started_at)
-    _, row = store.end_job(marked.id, "done", completion_tokens=2,
-                           first_token=FirstToken(earlier + timedelta(seconds=1),
-                                                  started.started_at, 9))
+    assert store.runs.mark_first_token(marked.id, earlier, 3, started.started_at)
+    _, row = store.runs.end_job(marked.id, "done", completion_tokens=2,
+                                first_token=FirstToken(earlier + timedelta(seconds=1),
+                                                       started.started_at, 9))
     assert row is not None and row.first_token_at == earlier and row.cached_tokens == 3
 
     cancelled = new_job(store, tenant_id)
-    started = store.claim_job(cancelled.id, "w1", "vllm")
+    started = store.runs.claim_job(cancelled.id, "w1", "vllm")
     assert started is not None and started.started_at is not None
-    store.cancel_job(cancelled.id)
+    store.runs.cancel_job(cancelled.id)
     at = started.started_at + timedelta(milliseconds=5)
-    ended, row = store.end_job(cancelled.id, "done", completion_tokens=1,
-                               first_token=FirstToken(at, started.started_at))
+    ended, row = store.runs.end_job(cancelled.id, "done", completion_tokens=1,
+                                    first_token=FirstToken(at, started.started_at))
     assert not ended and row is not None and row.status == "cancelled"
     assert row.first_token_at == at and row.ttft_ms == pytest.approx(5.0)
 
 
 def test_cancel_queued_and_running(store: Store, tenant_id: int) -> None:
     queued = new_job(store, tenant_id)
-    cancelled = store.cancel_job(queued.id)
+    cancelled = store.runs.cancel_job(queued.id)
     assert cancelled is not None
     assert cancelled.status == "cancelled" and cancelled.finished_at is not None
 
     running = new_job(store, tenant_id)
-    store.claim_job(running.id, "w1", "vllm")
-    stopped = store.cancel_job(running.id)
+    store.runs.claim_job(running.id, "w1", "vllm")
+    stopped = store.runs.cancel_job(running.id)
     assert stopped is not None and stopped.status == "cancelled" and stopped.finished_at is None
     # The worker notices late: its finish fills usage and output, the status stays.
-    assert not store.finish_job(
-        running.id, "done", finish_reason="abort", output_text="par", completion_tokens=2
-    )
-    after = store.get_job(running.id)
+    assert not store.runs.end_job(
+        running.id, JobStatus.DONE, finish_reason="abort", output_text="par", completion_tokens=2
+    )[0]
+    after = store.jobs.get_job(running.id)
     assert after is not None
     assert (after.status, after.output_text, after.completion_tokens, after.finish_reason) == (
         "cancelled",
@@ -486,71 +487,73 @@ def test_cancel_queued_and_running(store: Store, tenant_id: int) -> None:
         "abort",
     )
     assert after.finished_at is not None
-    assert store.cancel_job(running.id) == after  # terminal: returned unchanged
-    assert store.cancel_job("no-such-job") is None
+    assert store.runs.cancel_job(running.id) == after  # terminal: returned unchanged
+    assert store.runs.cancel_job("no-such-job") is None
 
 
 def test_expire(store: Store, tenant_id: int) -> None:
     job = new_job(store, tenant_id)
-    assert store.expire_job(job.id)
-    assert not store.expire_job(job.id)
-    expired = store.get_job(job.id)
+    assert store.runs.expire_job(job.id)
+    assert not store.runs.expire_job(job.id)
+    expired = store.jobs.get_job(job.id)
     assert expired is not None and expired.status == "expired" and expired.finished_at
 
 
 def test_other_tenant_cannot_see_or_cancel(store: Store, tenant_id: int) -> None:
     job = new_job(store, tenant_id)
-    other = store.create_tenant("globex", ["chat"])[0].id
-    assert store.get_job(job.id, tenant_id=other) is None
-    assert store.cancel_job(job.id, tenant_id=other) is None
-    assert store.get_job(job.id, tenant_id=tenant_id) == job  # unchanged
+    other = store.tenants.create_tenant("globex", ["chat"])[0].id
+    assert store.jobs.get_job(job.id, tenant_id=other) is None
+    assert store.runs.cancel_job(job.id, tenant_id=other) is None
+    assert store.jobs.get_job(job.id, tenant_id=tenant_id) == job  # unchanged
 
 
 # -- sessions ------------------------------------------------------------------------
 
 
 def test_session_turns(store: Store, tenant_id: int) -> None:
-    assert [store.touch_session("s1", tenant_id, w) for w in ("w1", None, "w2")] == [1, 2, 3]
-    chat = store.get_session("s1", tenant_id)
+    touch = store.sessions.touch_session
+    assert [touch("s1", tenant_id, w) for w in ("w1", None, "w2")] == [1, 2, 3]
+    chat = store.sessions.get_session("s1", tenant_id)
     assert chat is not None and (chat.turns, chat.last_worker) == (3, "w2")
     assert chat.last_seen.tzinfo is not None
-    assert store.touch_session("s1", tenant_id, None) == 4
-    assert store.get_session("s1", tenant_id).last_worker == "w2"  # type: ignore[union-attr]
-    assert store.get_session("nope", tenant_id) is None
+    assert store.sessions.touch_session("s1", tenant_id, None) == 4
+    assert store.sessions.get_session("s1", tenant_id).last_worker == "w2"  # type: ignore[union-attr]
+    assert store.sessions.get_session("nope", tenant_id) is None
 
     # Another tenant's session of the same id is another session (keyed by tenant and id).
-    other = store.create_tenant("globex", ["chat"])[0].id
-    assert store.get_session("s1", other) is None
-    assert store.touch_session("s1", other, "w9") == 1
-    store.set_session_worker("s1", other, "w8")
-    assert store.get_session("s1", other).last_worker == "w8"  # type: ignore[union-attr]
-    mine = store.get_session("s1", tenant_id)
+    other = store.tenants.create_tenant("globex", ["chat"])[0].id
+    assert store.sessions.get_session("s1", other) is None
+    assert store.sessions.touch_session("s1", other, "w9") == 1
+    store.sessions.set_session_worker("s1", other, "w8")
+    assert store.sessions.get_session("s1", other).last_worker == "w8"  # type: ignore[union-attr]
+    mine = store.sessions.get_session("s1", tenant_id)
     assert mine is not None and (mine.turns, mine.last_worker) == (4, "w2")
 
 
 def test_a_job_and_its_session_turn_are_written_together(store: Store, tenant_id: int) -> None:
     def create(tenant: int, key: str | None = None) -> tuple[JobRecord, bool, int]:
-        return store.create_job(str(uuid.uuid4()), tenant, "chat", "lane.chat", 5, "s1", {}, 3,
-                                idempotency_key=key)
+        return store.jobs.create_job(str(uuid.uuid4()), tenant, "chat", "lane.chat", 5, "s1", {}, 3,
+                                     idempotency_key=key)
 
     job, created, turn = create(tenant_id, "k1")
     assert created and turn == 1 and job.session_id == "s1"
     assert create(tenant_id)[1:] == (True, 2)
     again, created, turn = create(tenant_id, "k1")  # a key used meanwhile: no turn counted
     assert (again.id, created, turn) == (job.id, False, 0)
-    assert store.get_session("s1", tenant_id).turns == 2  # type: ignore[union-attr]
-    assert store.create_job(str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {},
-                            3)[1:] == (True, 0)
+    assert store.sessions.get_session("s1", tenant_id).turns == 2  # type: ignore[union-attr]
+    assert store.jobs.create_job(str(uuid.uuid4()), tenant_id, "chat", "lane.chat", 5, None, {},
+                                 3)[1:] == (True, 0)
 
     # Another tenant's "s1" is a session of its own: its first turn, ours unchanged.
-    other = store.create_tenant("globex", ["chat"])[0].id
+    other = store.tenants.create_tenant("globex", ["chat"])[0].id
     theirs, created, turn = create(other, "theirs")
     assert created and turn == 1 and theirs.tenant_id == other
-    assert store.count_jobs() == 4 and store.get_session("s1", tenant_id).turns == 2  # type: ignore[union-attr]
+    assert store.jobs.count_jobs() == 4 and store.sessions.get_session("s1", tenant_id).turns == 2  # type: ignore[union-attr]
 
 
 def test_concurrent_session_turns(store: Store, tenant_id: int) -> None:
-    turns = run_together(THREADS, lambda i: store.touch_session("busy", tenant_id, f"w{i}"))
+    turns = run_together(THREADS,
+                         lambda i: store.sessions.touch_session("busy", tenant_id, f"w{i}"))
     assert sorted(turns) == list(range(1, THREADS + 1))
 
 
@@ -560,8 +563,8 @@ def test_concurrent_session_turns(store: Store, tenant_id: int) -> None:
 def test_in_memory_sqlite_from_threads() -> None:
     st = Store("sqlite://")
     st.create_schema()
-    tid = st.create_tenant("acme", ["chat"])[0].id
+    tid = st.tenants.create_tenant("acme", ["chat"])[0].id
     job = new_job(st, tid)
-    claims = run_together(4, lambda i: st.claim_job(job.id, f"w{i}", "vllm"))
+    claims = run_together(4, lambda i: st.runs.claim_job(job.id, f"w{i}", "vllm"))
     assert sorted(c.attempts for c in claims) == [1, 2, 3, 4]
     st.close()

@@ -138,7 +138,7 @@ def pg_stack(postgres: PrivatePostgres, redis_server: str, model_path: Path,
     a Redis database of its own, so the session stack's workers never take these jobs."""
     upgrade(postgres.url)
     store = Store(postgres.url)
-    _, key = store.create_tenant("pgfault-tenant", ["finance"])
+    _, key = store.tenants.create_tenant("pgfault-tenant", ["finance"])
     redis_url = own_redis(redis_server, PG_DB)
     client = redis.Redis.from_url(redis_url)
     client.flushdb()
@@ -190,7 +190,7 @@ def submit_once(base_url: str, key: str) -> httpx.Response:
 
 def status_in_store(store: Store, job_id: str) -> str | None:
     try:
-        job = store.get_job(job_id)
+        job = store.jobs.get_job(job_id)
     except sa_exc.OperationalError:  # a connection from before the restart: next poll
         return None
     return None if job is None else str(job.status)
@@ -231,7 +231,7 @@ def test_a_postgres_restart_answers_503_then_202_and_the_running_job_ends_done(
     assert reader.failure is None, repr(reader.failure)
     assert [e.seq for e in reader.events] == list(range(len(reader.events)))  # no gap, no repeat
     assert reader.events[-1].kind == "done"
-    job = pg_stack.store.get_job(job_id)
+    job = pg_stack.store.jobs.get_job(job_id)
     assert job is not None and job.status == "done"
     tokens = [e for e in reader.events if e.kind == "token"]
     assert job.completion_tokens == sum(len(e.token_ids) for e in tokens) == PG_TOKENS
@@ -255,7 +255,7 @@ def test_a_tenant_without_a_secret_gets_its_webhook_signed_once_it_makes_one(
         redis_server: str, model_path: Path, tmp_root: Path, receiver: Receiver) -> None:
     with api_of_its_own(redis_server, tmp_root, "nosecret", HOOKS_DB,
                         [("chat", "vllm")]) as api:
-        _, key = api.store.create_tenant(f"nosecret-{uuid.uuid4().hex[:6]}", ["chat"])
+        _, key = api.store.tenants.create_tenant(f"nosecret-{uuid.uuid4().hex[:6]}", ["chat"])
         env = {**os.environ, "TIDEGATE_REDIS_URL": own_redis(redis_server, HOOKS_DB),
                "TIDEGATE_DATABASE_URL": api.store.url.render_as_string(hide_password=False),
                "TIDEGATE_NAMESPACE": api.namespace, "TIDEGATE_WEBHOOK_BACKOFF_S": "0.3",

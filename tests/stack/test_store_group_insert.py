@@ -1,5 +1,5 @@
-"""Job rows of concurrent submits, inserted in one transaction (store/db.py
-`_GroupInsert`, tests/unit/test_group_insert.py), against real SQLite and PostgreSQL: each
+"""Job rows of concurrent submits, inserted in one transaction (store/group_insert.py
+`GroupInsert`, tests/unit/test_group_insert.py), against real SQLite and PostgreSQL: each
 thread gets its own row back, committed, and a group whose rows set different columns
 goes in as well."""
 
@@ -14,7 +14,7 @@ import pytest
 from sqlalchemy import text
 
 from store import Store, upgrade
-from store.db import _queued_row
+from store.jobs import _queued_row
 from tests.helpers import postgres_or_skip
 from tidegate_tools.pg import private_database
 
@@ -47,15 +47,15 @@ def tenant_id(store: Store) -> int:
     with store.engine.begin() as conn:
         for table in ("webhook_deliveries", "api_keys", "sessions", "jobs", "usage", "tenants"):
             conn.execute(text(f"DELETE FROM {table}"))
-    return store.create_tenant("acme", ["chat"])[0].id
+    return store.tenants.create_tenant("acme", ["chat"])[0].id
 
 
 def create(store: Store, tenant_id: int, n: int) -> Any:
     job_id = str(uuid.uuid4())
     payload = {"job_id": job_id, "prompt": f"prompt {n}", "turn": 0}
-    return job_id, n, store.create_job(job_id, tenant_id, "chat", "chat.vllm", n % 10, None,
-                                       SAMPLING, n, route_reason=f"reason {n}",
-                                       payload=payload)
+    return job_id, n, store.jobs.create_job(job_id, tenant_id, "chat", "chat.vllm", n % 10, None,
+                                            SAMPLING, n, route_reason=f"reason {n}",
+                                            payload=payload)
 
 
 def test_concurrent_creates_each_get_their_own_committed_row(store: Store,
@@ -66,9 +66,9 @@ def test_concurrent_creates_each_get_their_own_committed_row(store: Store,
         assert created and turn == 0
         assert (job.id, job.prompt_tokens, job.priority, job.route_reason) == (
             job_id, n, n % 10, f"reason {n}")
-        assert store.job_payload(job_id) == {"job_id": job_id, "prompt": f"prompt {n}",
-                                             "turn": 0}
-    assert store.count_in_flight(tenant_id) == 200
+        assert store.jobs.job_payload(job_id) == {"job_id": job_id, "prompt": f"prompt {n}",
+                                                  "turn": 0}
+    assert store.jobs.count_in_flight(tenant_id) == 200
 
 
 def test_a_group_of_rows_with_different_columns_goes_in_whole(store: Store,
@@ -79,7 +79,7 @@ def test_a_group_of_rows_with_different_columns_goes_in_whole(store: Store,
                            lora, None, {"job_id": job_id} if payload else None)
 
     rows = [row(None, True), row("ad", True), row(None, True), row(None, False)]
-    records = store._insert_jobs(rows)
+    records = store.jobs._insert_jobs(rows)
     assert [r.id for r in records] == [r["id"] for r in rows]
     assert [r.lora for r in records] == [None, "ad", None, None]
-    assert all(store.get_job(r["id"]) is not None for r in rows)
+    assert all(store.jobs.get_job(r["id"]) is not None for r in rows)

@@ -74,7 +74,7 @@ def apart(model_path: Path, tmp_root: Path) -> Iterator[ApartStack]:
     db = f"sqlite:///{tmp_root / 'streams-apart.db'}"
     upgrade(db)
     store = Store(db)
-    _, key = store.create_tenant("apart-tenant", [LANE])
+    _, key = store.tenants.create_tenant("apart-tenant", [LANE])
     port = free_port()
     streams = [start_redis(port, logs)]
     env = {**os.environ, "TIDEGATE_STREAMS_URL": f"redis://127.0.0.1:{port}/0",
@@ -132,7 +132,7 @@ def test_the_streams_redis_dying_ends_the_stream_unavailable_and_the_resume_gets
     assert [int(f["id"]) for f in rest] == list(range(last + 1, last + 1 + len(rest))), \
         "events missing or repeated after the resume"
     assert rest[-1]["event"] == "done", f"the job ended {rest[-1]}"
-    job = apart.store.get_job(job_id)
+    job = apart.store.jobs.get_job(job_id)
     assert job is not None and job.status == JobStatus.DONE
     text = "".join(json.loads(f["data"])["text"] for f in [*before, *rest]
                    if f.get("event") == "token")
@@ -142,7 +142,7 @@ def test_the_streams_redis_dying_ends_the_stream_unavailable_and_the_resume_gets
     assert [f["id"] for f in again] == [f["id"] for f in [*before, *rest]]
     assert [f["data"] for f in again] == [f["data"] for f in [*before, *rest]]
     during = resp.json()["job_id"]
-    wait_until(lambda: getattr(apart.store.get_job(during), "status", None) == JobStatus.DONE,
+    wait_until(lambda: getattr(apart.store.jobs.get_job(during), "status", None) == JobStatus.DONE,
                120, "the job submitted during the outage to end", apart.procs)
 
 
@@ -188,7 +188,7 @@ def test_the_sdk_gives_a_silent_api_up_and_resumes_after_its_last_event(
                "the API's access line of the SDK's reconnect", apart.procs)
     assert [e.seq for e in events] == list(range(len(events))), "events missing or repeated"
     assert events[-1].kind == "done"
-    job = apart.store.get_job(job_id)
+    job = apart.store.jobs.get_job(job_id)
     assert job is not None and job.status == JobStatus.DONE
     assert "".join(e.text for e in events if e.kind == "token") == job.output_text
 
@@ -224,7 +224,7 @@ def test_the_broker_redis_down_refuses_submits_503_while_the_running_job_goes_on
     assert during >= 1, "the job's tokens stopped with the broker"
     assert [int(f["id"]) for f in seen] == list(range(len(seen))), "events missing or repeated"
     assert seen[-1]["event"] == "done", f"the job ended {seen[-1]}"
-    job = apart.store.get_job(job_id)
+    job = apart.store.jobs.get_job(job_id)
     assert job is not None and job.status == JobStatus.DONE
     text = "".join(json.loads(f["data"])["text"] for f in seen if f.get("event") == "token")
     assert text == job.output_text
@@ -234,7 +234,7 @@ def test_the_broker_redis_down_refuses_submits_503_while_the_running_job_goes_on
                "the API to be ready with the worker's heartbeat back", apart.procs)
     after = post_job(apart)
     assert after.status_code == 202, after.text
-    wait_until(lambda: getattr(apart.store.get_job(after.json()["job_id"]), "status", None)
+    wait_until(lambda: getattr(apart.store.jobs.get_job(after.json()["job_id"]), "status", None)
                == JobStatus.DONE, 120, "a job submitted after the outage to end", apart.procs)
 
 

@@ -59,7 +59,7 @@ def cluster_stack(model_path: Path, tmp_root: Path) -> Iterator[ClusterStack]:
     db = f"sqlite:///{tmp_root / 'streams-cluster.db'}"
     upgrade(db)
     store = Store(db)
-    _, key = store.create_tenant("cluster-tenant", [LANE])
+    _, key = store.tenants.create_tenant("cluster-tenant", [LANE])
     broker_port = free_port()
     with redis_cluster(logs, masters=3, replicas=1) as cluster:
         broker = start_redis(broker_port, logs)

@@ -49,7 +49,7 @@ def empty_queues(api: InProcessApi) -> Iterator[None]:
 
 
 def tenant(api: InProcessApi, name: str, **settings: Any) -> tuple[int, str]:
-    record, key = api.store.create_tenant(name, ["chat"], **settings)
+    record, key = api.store.tenants.create_tenant(name, ["chat"], **settings)
     return record.id, key
 
 
@@ -80,24 +80,24 @@ def test_two_tenants_use_one_session_id_as_two_sessions(api: InProcessApi) -> No
     for _ in range(2):
         accepted(submit(api, globex_key, session_id="crm-1"))
     # globex's session ran on the advertised worker: its next turn sticks there.
-    api.store.set_session_worker("crm-1", globex, WORKER)
+    api.store.sessions.set_session_worker("crm-1", globex, WORKER)
 
     mine = accepted(submit(api, api.key, session_id="crm-1"))
-    job = api.store.get_job(mine["job_id"])
+    job = api.store.jobs.get_job(mine["job_id"])
     assert job is not None and job.tenant_id == api.tenant_id
     # Turn 1 of acme's session (the task's payload carries it), on the pool, not globex's
     # worker: nothing of globex's session reached acme's job.
-    payload = GeneratePayload.from_dict(api.store.job_payload(job.id) or {})
+    payload = GeneratePayload.from_dict(api.store.jobs.job_payload(job.id) or {})
     assert payload.turn == 1 and payload.session_key == f"{api.tenant_id}:crm-1"
     assert job.queue == "chat.vllm" and "session affinity" not in (job.route_reason or "")
-    ours, theirs = (api.store.get_session("crm-1", t) for t in (api.tenant_id, globex))
+    ours, theirs = (api.store.sessions.get_session("crm-1", t) for t in (api.tenant_id, globex))
     assert ours is not None and (ours.turns, ours.last_worker) == (1, None)
     assert theirs is not None and (theirs.turns, theirs.last_worker) == (2, WORKER)
 
     # globex's next turn is its third, on its worker; acme's list holds acme's job only.
     again = accepted(submit(api, globex_key, session_id="crm-1"))
     assert again["queue"] == keys.direct_queue(api.settings.namespace, WORKER)
-    assert GeneratePayload.from_dict(api.store.job_payload(again["job_id"]) or {}).turn == 3
+    assert GeneratePayload.from_dict(api.store.jobs.job_payload(again["job_id"]) or {}).turn == 3
     listed = api.http.get("/v1/jobs", params={"session_id": "crm-1"},
                           headers={"Authorization": f"Bearer {api.key}"})
     assert listed.status_code == 200, listed.text
@@ -124,12 +124,12 @@ def test_priority_above_the_tenants_highest_is_refused_before_anything_is_enqueu
     (tidegate.lanes.redis_priority). chat's default is 4: a tenant with no grant asks 4 at
     most; 9 is refused naming `priority`, with no job row and no message."""
     _, key = tenant(api, "sessions-eager")
-    jobs_before = api.store.count_jobs()
+    jobs_before = api.store.jobs.count_jobs()
     refused = submit(api, key, priority=9)
     assert refused.status_code == 422, refused.text
     error = refused.json()["error"]
     assert error["field"] == "priority" and "priority: 9" in error["message"]
-    assert api.store.count_jobs() == jobs_before and queued(api) == 0
+    assert api.store.jobs.count_jobs() == jobs_before and queued(api) == 0
 
     # Through the OpenAI-compatible route too: 400 naming the param, nothing enqueued.
     openai = api.http.post("/v1/chat/completions",
@@ -138,7 +138,7 @@ def test_priority_above_the_tenants_highest_is_refused_before_anything_is_enqueu
                            headers={"Authorization": f"Bearer {key}"})
     assert openai.status_code == 400, openai.text
     assert openai.json()["error"]["param"] == "priority"
-    assert api.store.count_jobs() == jobs_before and queued(api) == 0
+    assert api.store.jobs.count_jobs() == jobs_before and queued(api) == 0
 
     # At or below the highest: accepted; without one, the lane's default.
     assert accepted(submit(api, key, priority=4))["priority"] == 4

@@ -102,7 +102,7 @@ def test_an_api_without_an_otlp_endpoint_writes_no_trace_id(redis_server: str,
                                                             tmp_root: Path) -> None:
     with api_of_its_own(redis_server, tmp_root, "untraced", own_db(__name__, "14"),
                         [("chat", "vllm")]) as own:
-        _, key = own.store.create_tenant("untraced", ["chat"])
+        _, key = own.store.tenants.create_tenant("untraced", ["chat"])
         headers = {"Authorization": f"Bearer {key}"}
         body = {"lane": "chat", "max_tokens": 4, "prompt": "Hello"}
         accepted = httpx.post(f"{own.base_url}/v1/jobs", json=body, headers=headers, timeout=30)
@@ -110,5 +110,5 @@ def test_an_api_without_an_otlp_endpoint_writes_no_trace_id(redis_server: str,
         job_id = accepted.json()["job_id"]
         job = httpx.get(f"{own.base_url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()
     assert job["status"] == "queued" and job["trace_id"] is None
-    payload = own.store.job_payload(job_id)
+    payload = own.store.jobs.job_payload(job_id)
     assert payload is not None and payload["trace_context"] == {}  # nothing for the worker

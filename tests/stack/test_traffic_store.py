@@ -39,32 +39,33 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
 
 def test_arrivals_add_up_per_lane_and_minute(store: Store) -> None:
     at = datetime(2026, 11, 11, 19, 0, 12, 345, tzinfo=UTC)
-    assert store.record_arrivals("chat", at, 3).arrivals == 3
-    record = store.record_arrivals("chat", at + timedelta(seconds=40), 2)
+    assert store.traffic.record_arrivals("chat", at, 3).arrivals == 3
+    record = store.traffic.record_arrivals("chat", at + timedelta(seconds=40), 2)
     assert (record.minute, record.arrivals) == (minute_of(at), 5)
-    store.record_arrivals("chat", at + MIN)
-    store.record_arrivals("finance", at, 7)
+    store.traffic.record_arrivals("chat", at + MIN)
+    store.traffic.record_arrivals("finance", at, 7)
     eastern = at.astimezone(timezone(timedelta(hours=-5)))  # the same instant, elsewhere
-    assert store.record_arrivals("chat", eastern, 1).arrivals == 6
-    assert store.arrivals("chat", minute_of(at), minute_of(at) + 10 * MIN) == [
+    assert store.traffic.record_arrivals("chat", eastern, 1).arrivals == 6
+    assert store.traffic.arrivals("chat", minute_of(at), minute_of(at) + 10 * MIN) == [
         (minute_of(at), 6), (minute_of(at) + MIN, 1)]
     # The range is [since, until).
-    assert store.arrivals("chat", minute_of(at), minute_of(at) + MIN) == [(minute_of(at), 6)]
-    assert store.arrivals("finance", minute_of(at) + MIN, minute_of(at) + 5 * MIN) == []
+    assert store.traffic.arrivals("chat", minute_of(at), minute_of(at) + MIN) == [
+        (minute_of(at), 6)]
+    assert store.traffic.arrivals("finance", minute_of(at) + MIN, minute_of(at) + 5 * MIN) == []
 
 
 def test_concurrent_producers_lose_no_arrival(store: Store) -> None:
-    threads = [threading.Thread(target=lambda: [store.record_arrivals("chat", NOW)
+    threads = [threading.Thread(target=lambda: [store.traffic.record_arrivals("chat", NOW)
                                                 for _ in range(10)]) for _ in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert store.arrivals("chat", T0, T0 + MIN) == [(T0, 80)]
+    assert store.traffic.arrivals("chat", T0, T0 + MIN) == [(T0, 80)]
 
 
 def test_bad_samples_are_refused(store: Store) -> None:
     with pytest.raises(ValueError, match="naive"):
-        store.record_arrivals("chat", datetime(2026, 11, 11, 19, 0))
+        store.traffic.record_arrivals("chat", datetime(2026, 11, 11, 19, 0))
     with pytest.raises(ValueError, match="< 0"):
-        store.record_arrivals("chat", NOW, -1)
+        store.traffic.record_arrivals("chat", NOW, -1)

@@ -49,7 +49,7 @@ class UsageStack:
         self.store = stack.store
 
     def tenant(self, name: str, **limits: Any) -> tuple[int, str]:
-        record, key = self.store.create_tenant(name, ["chat", "batch"], **limits)
+        record, key = self.store.tenants.create_tenant(name, ["chat", "batch"], **limits)
         return record.id, key
 
     def get(self, path: str, key: str, **params: str) -> httpx.Response:
@@ -110,7 +110,7 @@ def submit(u: UsageStack, key: str, max_tokens: int = 6, **extra: Any) -> httpx.
 def wait_ended(u: UsageStack, tenant_id: int) -> None:
     """Every job of the tenant has its end written (finished_at)."""
     def ended() -> bool:
-        jobs = u.store.list_jobs(tenant_id, limit=1000)
+        jobs = u.store.jobs.list_jobs(tenant_id, limit=1000)
         return bool(jobs) and all(job.finished_at is not None for job in jobs)
 
     wait_until(ended, 180, "the tenant's jobs to end", u.stack.procs, poll_s=0.3)
@@ -120,7 +120,7 @@ def row_sums(u: UsageStack, tenant_id: int) -> dict[str, dict[str, int]]:
     """Per lane, what the ledger must hold: the tenant's job rows' tokens and ends (a job's
     prompt tokens count once a worker took it)."""
     sums: dict[str, Counter[str]] = {}
-    for job in u.store.list_jobs(tenant_id, limit=1000):
+    for job in u.store.jobs.list_jobs(tenant_id, limit=1000):
         lane = sums.setdefault(job.lane, Counter())
         lane["prompt_tokens"] += job.prompt_tokens if job.started_at is not None else 0
         lane["cached_tokens"] += job.cached_tokens or 0
@@ -170,7 +170,7 @@ def run_batch(u: UsageStack, key: str, lines: int) -> str:
 def cancel_while_running(u: UsageStack, key: str, tenant_id: int) -> None:
     """A long job cancelled once a worker has it: its worker writes its end (and usage)."""
     job_id = submit(u, key, max_tokens=256).json()["job_id"]
-    wait_until(lambda: (job := u.store.get_job(job_id)) is not None
+    wait_until(lambda: (job := u.store.jobs.get_job(job_id)) is not None
                and job.started_at is not None, 120, "the long job to start", u.stack.procs)
     gone = httpx.delete(f"{u.stack.base_url}/v1/jobs/{job_id}", timeout=30,
                         headers={"Authorization": f"Bearer {key}"})
@@ -266,7 +266,7 @@ def test_a_spent_budget_answers_429_quota_exceeded_on_every_route(usage: UsageSt
     error = refused[0].json()["error"]
     assert error["type"] == "quota_exceeded" and "1 tokens this month" in error["message"]
     assert int(refused[0].headers["Retry-After"]) > 0
-    jobs = usage.store.count_jobs()
+    jobs = usage.store.jobs.count_jobs()
 
     client = usage.sdk(key)
     with pytest.raises(openai.RateLimitError) as chat:
@@ -281,7 +281,7 @@ def test_a_spent_budget_answers_429_quota_exceeded_on_every_route(usage: UsageSt
         client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
                               completion_window="24h")
     assert batch.value.code == "quota_exceeded"
-    assert usage.store.count_jobs() == jobs  # nothing enqueued
+    assert usage.store.jobs.count_jobs() == jobs  # nothing enqueued
 
     raised = httpx.patch(f"{usage.stack.base_url}/admin/v1/tenants/usage-budget",
                          json={"monthly_token_budget": 10_000_000}, timeout=30,
@@ -302,7 +302,7 @@ def test_the_openai_client_reads_rate_limit_headers_and_a_refund_shows(
     # A long job cancelled early: its worker gives back the max_tokens it did not use.
     cancel_while_running(usage, key, tenant_id)
     wait_ended(usage, tenant_id)
-    (long_job,) = usage.store.list_jobs(tenant_id)
+    (long_job,) = usage.store.jobs.list_jobs(tenant_id)
     assert long_job.completion_tokens is not None and long_job.completion_tokens < 256
     used = long_job.prompt_tokens + long_job.completion_tokens  # charged, less the refund
     limiter = RateLimits(usage.stack.redis, usage.stack.namespace)

@@ -156,7 +156,8 @@ class Hooks:
         return list(resp.json()["data"])
 
     def new_tenant(self, name: str) -> tuple[int, str]:
-        record, key = self.own.store.create_tenant(f"{name}-{uuid.uuid4().hex[:6]}", ["chat"])
+        record, key = self.own.store.tenants.create_tenant(f"{name}-{uuid.uuid4().hex[:6]}",
+                                                           ["chat"])
         resp = self.call("POST", "/v1/webhook-secret", key)
         assert resp.status_code == 200, resp.text
         return record.id, key
@@ -166,7 +167,7 @@ def own_api(redis_server: str, tmp_root: Path, name: str, **settings: Any) -> It
     with api_of_its_own(redis_server, tmp_root, name, own_db(__name__, "7"), [("chat", "vllm")],
                         **settings) as own:
         admin_key = Tenants(own.store).create_admin_key("ops")
-        record, key = own.store.create_tenant(f"{name}-tenant", ["chat"])
+        record, key = own.store.tenants.create_tenant(f"{name}-tenant", ["chat"])
         yield Hooks(own, admin_key, record.name, key)
 
 
@@ -218,9 +219,9 @@ def ended_job(store: Store, tenant_id: int, url: str) -> str:
     is in the outbox. Written to the store directly, as a job accepted before the strict
     check (or through a tenant's default URL) would be."""
     job_id = str(uuid.uuid4())
-    store.create_job(job_id, tenant_id, "chat", "chat.vllm", 5, None, {"max_tokens": 8}, 10,
-                     callback_url=url)
-    assert store.cancel_job(job_id) is not None
+    store.jobs.create_job(job_id, tenant_id, "chat", "chat.vllm", 5, None, {"max_tokens": 8}, 10,
+                          callback_url=url)
+    assert store.runs.cancel_job(job_id) is not None
     return job_id
 
 
@@ -242,12 +243,12 @@ LITERALS = ["http://2130706433/", "http://0x7f000001/", "http://127.1/", "http:/
 @pytest.mark.parametrize("url", MALFORMED + LITERALS)
 def test_each_malformed_or_disguised_url_is_a_400_on_submit_naming_callback_url(
         hooks: Hooks, url: str) -> None:
-    before = hooks.own.store.count_jobs()
+    before = hooks.own.store.jobs.count_jobs()
     resp = hooks.call("POST", "/v1/jobs", json={"lane": "chat", "prompt": "Where is my parcel?",
                                                 "max_tokens": 4, "callback_url": url})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["field"] == "callback_url"
-    assert hooks.own.store.count_jobs() == before
+    assert hooks.own.store.jobs.count_jobs() == before
     assert all(waiting(hooks.own.redis, q) == 0 for q in QUEUES)
 
 
@@ -551,7 +552,7 @@ def test_deliveries_show_outcome_classes_never_addresses_or_error_text(pin: Hook
 
 
 def test_secrets_are_capped_and_sealed(hooks: Hooks) -> None:
-    tenant, key = hooks.own.store.create_tenant(f"rotor-{uuid.uuid4().hex[:6]}", ["chat"])
+    tenant, key = hooks.own.store.tenants.create_tenant(f"rotor-{uuid.uuid4().hex[:6]}", ["chat"])
     made = []
     for _ in range(4):
         resp = hooks.call("POST", "/v1/webhook-secret", key)
@@ -567,7 +568,7 @@ def test_secrets_are_capped_and_sealed(hooks: Hooks) -> None:
 
 
 def test_a_secret_stored_plain_before_sealing_still_signs_and_gets_sealed(pin: Hooks) -> None:
-    tenant, _ = pin.own.store.create_tenant(f"legacy-{uuid.uuid4().hex[:6]}", ["chat"])
+    tenant, _ = pin.own.store.tenants.create_tenant(f"legacy-{uuid.uuid4().hex[:6]}", ["chat"])
     plain = "whsec_" + "A" * 43 + "="
     with pin.own.store.engine.begin() as conn:
         conn.execute(insert(WebhookSecret).values(tenant_id=tenant.id, secret=plain,

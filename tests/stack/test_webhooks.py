@@ -134,8 +134,8 @@ def engine_error_job(stack: Stack, tenant_id: int, url: str) -> str:
     """A job the engine refuses (longer than the model's context), sent as a task: the
     API would refuse it first (as tests/stack/test_e2e.py does)."""
     job_id = str(uuid.uuid4())
-    stack.store.create_job(job_id, tenant_id, "chat", "chat.vllm", 5, None, {"max_tokens": 8},
-                           2500, callback_url=url)
+    stack.store.jobs.create_job(job_id, tenant_id, "chat", "chat.vllm", 5, None, {"max_tokens": 8},
+                                2500, callback_url=url)
     payload = GeneratePayload(job_id=job_id, lane="chat", prompt=" refund" * 2500,
                               prompt_tokens=2500, sampling=Sampling(max_tokens=8))
     send_generate(make_app(get_settings()), payload, "chat.vllm", 5)

@@ -158,7 +158,7 @@ def mid_job(stack: Stack, spare: Proc) -> Iterator[Reader]:
         reader = submit(stack)
         wait_until(lambda: engine_stats(SPARE)["held"] == reader.job_id, 60,
                    f"the spare worker to hold job {reader.job_id}", [spare], poll_s=0.05)
-        row = stack.store.get_job(reader.job_id)
+        row = stack.store.jobs.get_job(reader.job_id)
         assert row is not None and row.status == "running" and row.worker == SPARE
         assert appended(stack, reader.job_id) > 1  # `started`, then its first tokens
         yield reader
@@ -173,7 +173,7 @@ def check_done(stack: Stack, reader: Reader, procs: list[Proc], attempts: int) -
     assert [e.seq for e in events] == list(range(len(events)))  # no gap, no repeat
     assert events[0].kind == "started" and [e.kind for e in events].count("started") == 1
     assert events[-1].kind == "done" and not any(e.terminal for e in events[:-1])
-    row = stack.store.get_job(reader.job_id)
+    row = stack.store.jobs.get_job(reader.job_id)
     assert row is not None and row.status == "done" and row.attempts == attempts
     assert len(reader.tokens()) == MAX_TOKENS == row.completion_tokens
     assert row.output_text == "".join(e.text for e in events if e.kind == "token")
@@ -229,7 +229,7 @@ def test_a_dead_engine_takes_its_worker_out_of_rotation_and_its_job_ends_elsewhe
         assert SPARE not in active_workers(fleet)
     # The survivor consumes the lane's queue again, where the recovery sweep put the job.
     check_done(stack, reader, [spare], attempts=2)
-    row = stack.store.get_job(reader.job_id)
+    row = stack.store.jobs.get_job(reader.job_id)
     assert row is not None and row.worker == survivor
     # A later job runs: the same greedy request, uninterrupted, gives the same tokens.
     later = submit(stack)

@@ -1,6 +1,6 @@
-"""Concurrent job inserts go in one transaction (store/db.py `_GroupInsert`): a row that
-comes while a write is under way waits for it and goes with the next group, written by
-the first row of that group; a row's failure is its own. The writer here is a function
+"""Concurrent job inserts go in one transaction (store/group_insert.py `GroupInsert`): a
+row that comes while a write is under way waits for it and goes with the next group,
+written by the first row of that group; a row's failure is its own. The writer here is a function
 that records its groups; tests/stack/test_store_group_insert.py runs the real store."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from store.db import _GroupInsert
+from store.group_insert import GroupInsert
 
 THREADS = 6
 
@@ -37,7 +37,7 @@ class Writer:
         return [f"record-{i}" for i in ids]
 
 
-def start_group(writer: Writer, group: _GroupInsert, pool: ThreadPoolExecutor,
+def start_group(writer: Writer, group: GroupInsert, pool: ThreadPoolExecutor,
                 followers: list[str]) -> tuple[Any, list[Any]]:
     """A first insert that blocks in its write, then `followers` inserting meanwhile."""
     first = pool.submit(group.insert, {"id": "first"})
@@ -50,7 +50,7 @@ def start_group(writer: Writer, group: _GroupInsert, pool: ThreadPoolExecutor,
 
 def test_rows_that_come_during_a_write_go_together_in_the_next() -> None:
     writer = Writer()
-    group = _GroupInsert(writer)
+    group = GroupInsert(writer)
     with ThreadPoolExecutor(THREADS) as pool:
         first, rest = start_group(writer, group, pool, ["a", "b", "c"])
         writer.release.set()
@@ -66,7 +66,7 @@ def test_rows_that_come_during_a_write_go_together_in_the_next() -> None:
 def test_a_row_that_fails_its_group_fails_alone() -> None:
     bad = IntegrityError("INSERT", {}, Exception("duplicate key"))
     writer = Writer(fail_on="b", error=bad)
-    group = _GroupInsert(writer)
+    group = GroupInsert(writer)
     with ThreadPoolExecutor(THREADS) as pool:
         first, rest = start_group(writer, group, pool, ["a", "b", "c"])
         writer.release.set()
@@ -82,7 +82,7 @@ def test_a_row_that_fails_its_group_fails_alone() -> None:
 def test_a_database_that_fails_fails_every_row_of_the_group_once() -> None:
     down = OperationalError("INSERT", {}, Exception("connection refused"))
     writer = Writer(fail_on="a", error=down)
-    group = _GroupInsert(writer)
+    group = GroupInsert(writer)
     with ThreadPoolExecutor(THREADS) as pool:
         first, rest = start_group(writer, group, pool, ["a", "b"])
         writer.release.set()
@@ -96,7 +96,7 @@ def test_a_database_that_fails_fails_every_row_of_the_group_once() -> None:
 def test_many_threads_each_get_their_own_record() -> None:
     writer = Writer()
     writer.release.set()
-    group = _GroupInsert(writer)
+    group = GroupInsert(writer)
     with ThreadPoolExecutor(THREADS) as pool:
         results = list(pool.map(lambda i: group.insert({"id": str(i)}), range(300)))
     assert results == [f"record-{i}" for i in range(300)]

@@ -78,6 +78,7 @@ class FakeStore:
     def __init__(self, counts: dict[datetime, int]) -> None:
         self.counts = counts
         self.recorded: list[tuple[str, datetime, int]] = []
+        self.traffic = self  # Store.traffic: its two methods are here
 
     def arrivals(self, lane: str, since: datetime, until: datetime) -> list[tuple[datetime, int]]:
         return sorted((m, n) for m, n in self.counts.items() if since <= m < until)
