@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
 
 from store.clock import utcnow
 from store.database import Database
@@ -146,7 +147,7 @@ class Batches:
             return self._add_file(session, tenant_id, purpose, filename, content, size,
                                   expires_after_s)
 
-    def _add_file(self, session: Any, tenant_id: int, purpose: str, filename: str,
+    def _add_file(self, session: Session, tenant_id: int, purpose: str, filename: str,
                   content: str, size: int, expires_after_s: float | None) -> FileRecord:
         now = utcnow()
         expires = now + timedelta(seconds=expires_after_s) if expires_after_s is not None else None

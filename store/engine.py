@@ -16,13 +16,15 @@ the hot statements too (store/hot.py): those run on the same pool's connections.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.engine.interfaces import DBAPIConnection
 from sqlalchemy.exc import DisconnectionError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy.pool import ConnectionPoolEntry, PoolProxiedConnection, StaticPool
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 # PostgreSQL's bounds (TIDEGATE_DATABASE_CONNECT_TIMEOUT_S, _STATEMENT_TIMEOUT_S set them;
@@ -80,12 +82,12 @@ PING_WHEN_IDLE_S = 1.0  # a pooled connection idle longer is pinged when checked
 
 
 def _postgres_connect_args(url: URL, connect_timeout_s: int,
-                           statement_timeout_s: float) -> dict[str, Any]:
+                           statement_timeout_s: float) -> dict[str, object]:
     """libpq's connection parameters for the bounds (a parameter the URL's query sets
     itself is left as the URL has it; `options` gets the statement timeout added)."""
     if connect_timeout_s < 2:
         raise ValueError(f"connect_timeout_s {connect_timeout_s}: libpq's least is 2 s")
-    args: dict[str, Any] = {
+    args: dict[str, object] = {
         "connect_timeout": connect_timeout_s,
         # Unacknowledged data, or keepalives unanswered this long, drop the connection
         # (Linux): a partitioned server fails the statement instead of hanging it.
@@ -114,11 +116,12 @@ def _ping_when_idle(engine: Engine, idle_s: float) -> None:
     pool then drops every connection made before the failure."""
 
     @event.listens_for(engine, "checkin")
-    def _checked_in(_dbapi: Any, record: Any) -> None:
+    def _checked_in(_dbapi: DBAPIConnection, record: ConnectionPoolEntry) -> None:
         record.info["tidegate_idle_since"] = time.monotonic()
 
     @event.listens_for(engine, "checkout")
-    def _checkout(dbapi: Any, record: Any, _proxy: Any) -> None:
+    def _checkout(dbapi: DBAPIConnection, record: ConnectionPoolEntry,
+                  _proxy: PoolProxiedConnection) -> None:
         since = record.info.get("tidegate_idle_since")
         if since is None or time.monotonic() - since < idle_s:
             return  # just connected, or in use a moment ago
@@ -130,7 +133,7 @@ def _ping_when_idle(engine: Engine, idle_s: float) -> None:
             raise DisconnectionError("the pooled connection is dead")
 
 
-def _sqlite_engine(url: URL, options: dict[str, Any]) -> Engine:
+def _sqlite_engine(url: URL, options: dict[str, Any]) -> Engine:  # create_engine's options
     connect_args = {"check_same_thread": False, **options.pop("connect_args", {})}
     if is_sqlite_memory(url):
         # Each connection to :memory: is a different database: share one connection.
@@ -145,7 +148,7 @@ def _sqlite_engine(url: URL, options: dict[str, Any]) -> Engine:
     return engine
 
 
-def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+def _sqlite_connect(dbapi_connection: sqlite3.Connection, _record: ConnectionPoolEntry) -> None:
     # Turn off pysqlite's own transaction handling; _sqlite_begin emits BEGIN instead.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()

@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from enum import Enum
 from typing import Any, TypeVar
 
 import psycopg
 from sqlalchemy import JSON, Engine, exc
+from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.elements import ClauseElement
 
 T = TypeVar("T")
+# A statement's parameters by name (a row read back is a dict of its columns).
+Params = Mapping[str, object]
 
 
 class HotStatements:
@@ -46,17 +49,17 @@ class HotStatements:
     def serves(engine: Engine) -> bool:
         return engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg"
 
-    def rows(self, stmt: ClauseElement, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def rows(self, stmt: ClauseElement, params: Params) -> list[dict[str, Any]]:
         """The rows the statement returns (RETURNING, SELECT), as dicts by column name."""
         return self.rows_together([(stmt, params)])[0]
 
-    def rowcount(self, stmt: ClauseElement, params: dict[str, Any]) -> int:
+    def rowcount(self, stmt: ClauseElement, params: Params) -> int:
         prepared = self._prepare(stmt)
         values = prepared.values(params)
         return self._on_connection(prepared.sql, values, lambda conn: conn.execute(
             prepared.sql, values, prepare=True).rowcount)
 
-    def rows_together(self, statements: list[tuple[ClauseElement, dict[str, Any]]]
+    def rows_together(self, statements: Sequence[tuple[ClauseElement, Params]]
                       ) -> list[list[dict[str, Any]]]:
         """Each statement's rows; two or more in one transaction, one alone in autocommit."""
         runs = [(prepared, prepared.values(params))
@@ -71,7 +74,7 @@ class HotStatements:
 
         return self._on_connection(runs[0][0].sql, runs[0][1], run)
 
-    def _on_connection(self, sql: str, values: dict[str, Any],
+    def _on_connection(self, sql: str, values: Params,
                        work: Callable[[psycopg.Connection[Any]], T]) -> T:
         """work(a pooled driver connection in autocommit); a driver error as SQLAlchemy's
         (`sql` and `values` name the statement in it)."""
@@ -105,8 +108,8 @@ class HotStatements:
                 self._prepared[id(stmt)] = found
         return found
 
-    def _translated(self, error: psycopg.Error, fairy: Any, sql: str,
-                    values: dict[str, Any]) -> exc.StatementError:
+    def _translated(self, error: psycopg.Error, fairy: PoolProxiedConnection, sql: str,
+                    values: Params) -> exc.StatementError:
         dropped = self._engine.dialect.is_disconnect(
             error, fairy.dbapi_connection, None)  # type: ignore[arg-type]
         if dropped:
@@ -131,7 +134,7 @@ class _Prepared:
         self.json = frozenset(name for name, bind in compiled.binds.items()
                               if isinstance(bind.type, JSON))
 
-    def values(self, params: dict[str, Any]) -> dict[str, Any]:
+    def values(self, params: Params) -> dict[str, object]:
         values = self.compiled.construct_params(params) or {}
         return {name: _json(value) if name in self.json else _plain(value)
                 for name, value in values.items()}
@@ -145,20 +148,20 @@ class _Prepared:
 
 
 def _run(conn: psycopg.Connection[Any], prepared: _Prepared,
-         values: dict[str, Any]) -> list[dict[str, Any]]:
+         values: Params) -> list[dict[str, Any]]:
     return prepared.fetch(conn.execute(prepared.sql, values, prepare=True))
 
 
-def _json(value: Any) -> str | None:
+def _json(value: object) -> str | None:
     return None if value is None else json.dumps(value)
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """What the driver sends for an enum (the job statuses): its value."""
     return value.value if isinstance(value, Enum) else value
 
 
-def _utc(value: Any) -> Any:
+def _utc(value: object) -> object:
     """A timestamp in UTC, as store.models.UTCDateTime reads it (psycopg gives the
     session's time zone)."""
     return value.astimezone(UTC) if isinstance(value, datetime) else value

@@ -15,8 +15,8 @@ from datetime import datetime
 from typing import Any, TypedDict, cast
 
 from sqlalchemy import (
-    BinaryExpression,
     Column,
+    ColumnElement,
     Insert,
     Select,
     Table,
@@ -42,7 +42,7 @@ from tidegate.records import ACTIVE_STATUSES, JobStatus
 JOBS = cast(Table, Job.__table__)
 JOB_COLUMNS: tuple[Column[Any], ...] = tuple(JOBS.c[name] for name in JOB_FIELDS)
 # Built once: building a statement cost as much CPU as running it.
-BY_ID: BinaryExpression[bool] = JOBS.c.id == bindparam("job_id")
+BY_ID: ColumnElement[bool] = JOBS.c.id == bindparam("job_id")
 SELECT_JOB: Select[Any] = select(*JOB_COLUMNS).where(BY_ID)
 _SELECT_BY_KEY = select(*JOB_COLUMNS).where(JOBS.c.tenant_id == bindparam("tenant_id"),
                                             JOBS.c.idempotency_key == bindparam("key"))
@@ -203,7 +203,7 @@ class Jobs:
 
     def get_job(self, job_id: str, tenant_id: int | None = None) -> JobRecord | None:
         """The job; with tenant_id, None unless the job belongs to that tenant."""
-        row: Mapping[str, Any] | None
+        row: Mapping[Any, Any] | None
         if self.db.hot is not None:
             rows = self.db.hot.rows(SELECT_JOB, {"job_id": job_id})
             row = rows[0] if rows else None

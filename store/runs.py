@@ -29,6 +29,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from store.clock import aware, ms_between, utcnow
 from store.database import Database
@@ -91,7 +92,7 @@ _ACTIVE = JOBS.c.status.in_([literal_column(f"'{status}'") for status in
 _NOW = bindparam("now", type_=UTCDateTime())
 
 
-def _claim(wait_ms: ColumnElement[Any]) -> Any:
+def _claim(wait_ms: ColumnElement[Any]) -> ReturningUpdate[Any]:
     return (
         update(JOBS)
         .where(BY_ID, _ACTIVE)

@@ -20,8 +20,19 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Any, cast
 
-from sqlalchemy import BigInteger, Connection, Table, bindparam, case, func, select
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    RowMapping,
+    Select,
+    Table,
+    bindparam,
+    case,
+    func,
+    select,
+)
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.sql.dml import ReturningUpdate
 
 from store.database import Database
 from store.models import Tenant, UsageDay
@@ -56,7 +67,8 @@ class UsageRecord:
         return self.prompt_tokens + self.completion_tokens
 
 
-def upsert(dialect: str, values: Mapping[str, Any] | Any) -> Any:
+def upsert(dialect: str, values: Mapping[str, object] | Select[Any]
+           ) -> postgresql.Insert | sqlite.Insert:
     """INSERT ... ON CONFLICT DO UPDATE adding `values`'s counts to its day's row (both
     dialects have it). `values`: a dict, or a SELECT of the columns (tenant_id, day, lane,
     COUNTED...) in that order."""
@@ -85,7 +97,7 @@ def meter(conn: Connection, before: Mapping[Any, Any] | None, after: Mapping[Any
     if after["finished_at"] is None:
         return
     new, old = _tokens(after), _tokens(before)
-    values: dict[str, Any] = dict.fromkeys(COUNTED, 0)
+    values: dict[str, object] = dict.fromkeys(COUNTED, 0)
     values.update({kind: new[kind] - old[kind] for kind in TOKEN_KINDS})
     if before is None or before["finished_at"] is None:
         values[JOB_COUNTS[after["status"]]] = 1
@@ -96,7 +108,7 @@ def meter(conn: Connection, before: Mapping[Any, Any] | None, after: Mapping[Any
     conn.execute(upsert(conn.dialect.name, values))
 
 
-def metered_end(ended_update: Any) -> Any:
+def metered_end(ended_update: ReturningUpdate[Any]) -> Select[Any]:
     """PostgreSQL: `ended_update` (an UPDATE ... RETURNING the JOB_FIELDS of a job that had
     not ended, now ended) and its ledger row, in one statement: a data-modifying CTE adds
     the row's tokens and its status to the day `day` (a parameter: its finished_at's UTC
@@ -141,6 +153,6 @@ class Usage:
             return int(conn.execute(stmt).scalar() or 0)
 
 
-def _record(row: Mapping[str, Any]) -> UsageRecord:
+def _record(row: RowMapping) -> UsageRecord:
     return UsageRecord(tenant_id=row["tenant_id"], tenant=row["name"], day=row["day"],
                        lane=row["lane"], **{name: int(row[name]) for name in COUNTED})
