@@ -355,6 +355,7 @@ def test_a_revocation_during_a_lookup_is_not_cached_as_valid() -> None:
     class SlowStore:
         def __init__(self) -> None:
             self.valid, self.reading, self.go_on = True, threading.Event(), threading.Event()
+            self.tenants = self  # Store.tenants: the one method the API's auth calls is here
 
         def tenant_by_key(self, key: str) -> Any:
             found = self.valid

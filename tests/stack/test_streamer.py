@@ -278,7 +278,7 @@ def test_a_batch_whose_reply_was_lost_hands_back_its_event_whole_so_no_token_goe
         assert [kind for kind, _ in got] == [SLOW]
         assert [e.seq for e in stream_of(client, "job-lost-reply")] == [0, 1]  # it was out
         # The task thread's context: its store only takes the first token's time.
-        store = SimpleNamespace(mark_first_token=lambda *_: True)
+        store = SimpleNamespace(runs=SimpleNamespace(mark_first_token=lambda *_: True))
         task_thread = SimpleNamespace(retry=lambda f, *a: f(*a), publisher=publisher,
                                       hold=None, store=store)
         handed: list[Delta] = got[0][1]  # type: ignore[assignment]
