@@ -9,8 +9,8 @@ parameter and result handling cost about 200 us, BEGIN and COMMIT two round trip
 So the statements a job runs every time (its claim, its first token, its end, its row's
 insert and read) run here: each is one statement, atomic on its own, so autocommit is as
 safe as the transaction it replaces. The statements stay SQLAlchemy Core objects (written
-once, in store/db.py), compiled once for the engine's dialect; the connection is the
-engine pool's, with its checks (store/engine.py). Errors come back as SQLAlchemy's
+once, in store/jobs.py and store/runs.py), compiled once for the engine's dialect; the
+connection is the engine pool's, with its checks (store/engine.py). Errors come back as SQLAlchemy's
 (OperationalError, IntegrityError), which callers already handle, and a connection the
 database dropped is thrown out of the pool, as SQLAlchemy would.
 

@@ -122,7 +122,8 @@ def job_record(job: Job) -> JobRecord:
 
 
 def row_job_record(row: Mapping[Any, Any]) -> JobRecord:
-    """A JobRecord from a Core row of the JOB_FIELDS columns (store/db.py's hot paths)."""
+    """A JobRecord from a Core row of the JOB_FIELDS columns (the hot paths of
+    store/jobs.py and store/runs.py)."""
     values = {name: row[name] for name in JOB_FIELDS}
     values["sampling"] = dict(values["sampling"] or {})
     values["status"] = JobStatus(values["status"])

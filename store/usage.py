@@ -1,6 +1,6 @@
 """The usage ledger: tokens and ended jobs per tenant, lane and day (UTC).
 
-A job adds to the ledger in the transaction that ends it (store/db.py), never elsewhere,
+A job adds to the ledger in the transaction that ends it (store/runs.py), never elsewhere,
 so the ledger is the sum of the ended job rows, exactly:
 
 - when its row first gets `finished_at`, the row's tokens and one job of its status, on
@@ -8,7 +8,7 @@ so the ledger is the sum of the ended job rows, exactly:
 - when a row already ended is changed again (a worker fills in the usage of a job that was
   cancelled or expired while it ran), the difference its tokens made, on the same day.
 
-A retried end that finds its own end in the row (Store.end_job) changes nothing, so it
+A retried end that finds its own end in the row (Runs.end_job) changes nothing, so it
 adds nothing. A job's prompt tokens count once a worker took it (`started_at`): a job
 cancelled or expired in the queue was never prefilled and costs nothing but its count.
 """
