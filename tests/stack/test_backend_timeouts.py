@@ -27,6 +27,7 @@ from store import FirstToken, JobRecord, Store, upgrade
 from tasks.app import make_app
 from tests.helpers import own_redis_url, postgres_or_skip, served
 from tidegate import redisconn
+from tidegate.records import JobStatus
 from tidegate.settings import Settings
 from tidegate_tools.pg import private_database
 from workers.retry import Retrier
@@ -269,7 +270,7 @@ def test_a_retried_end_whose_reply_was_lost_reports_done(store: Store, first_tok
     else:
         marked["first_token"] = FirstToken(first_at, job.started_at)
     end_job = LostReply(store.runs.end_job)
-    ended, row = Retrier(5.0)(end_job, job.id, "done", output_text="on its way",
+    ended, row = Retrier(5.0)(end_job, job.id, JobStatus.DONE, output_text="on its way",
                               completion_tokens=3, finished_at=datetime.now(UTC),
                               finish_reason="stop", **marked)
     assert end_job.tries == 2  # the retry ran
@@ -278,5 +279,5 @@ def test_a_retried_end_whose_reply_was_lost_reports_done(store: Store, first_tok
     stored = store.jobs.get_job(job.id)
     assert stored is not None and stored.status == "done" and stored.first_token_at == first_at
     # An end that is not this call's stays refused: a late `error` changes nothing.
-    assert store.runs.end_job(job.id, "error", error="late", finished_at=datetime.now(UTC)) == (
-        False, stored)
+    assert store.runs.end_job(job.id, JobStatus.ERROR, error="late",
+                              finished_at=datetime.now(UTC)) == (False, stored)

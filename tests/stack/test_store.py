@@ -330,8 +330,8 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
         first = started.started_at + timedelta(milliseconds=250)
         assert store.runs.mark_first_token(job.id, first)
         end = first + timedelta(seconds=1)
-        ended, row = store.runs.end_job(job.id, "done", finish_reason="stop", output_text="hi",
-                                        completion_tokens=11, finished_at=end,
+        ended, row = store.runs.end_job(job.id, JobStatus.DONE, finish_reason="stop",
+                                        output_text="hi", completion_tokens=11, finished_at=end,
                                         first_token_at=first if hint else None)
         assert ended and row == store.jobs.get_job(job.id)
         assert row is not None and row.tpot_ms == pytest.approx(100.0)
@@ -345,7 +345,7 @@ def test_a_workers_end_in_one_update_writes_what_the_locked_read_does(
     running = new_job(store, tenant_id)
     store.runs.claim_job(running.id, "w1", "vllm")
     store.runs.cancel_job(running.id)
-    ended, row = store.runs.end_job(running.id, "done", completion_tokens=2,
+    ended, row = store.runs.end_job(running.id, JobStatus.DONE, completion_tokens=2,
                                     first_token_at=datetime.now(UTC))
     assert not ended and row is not None and row.status == "cancelled"
     assert row.completion_tokens == 2 and row.finished_at is not None
@@ -369,7 +369,8 @@ def test_the_driver_path_reads_rows_as_the_orm_does_whatever_the_time_zone(
             (claimed.started_at - job.enqueued_at).total_seconds() * 1000, abs=0.01)
         assert st.runs.mark_first_token(job.id, claimed.started_at + timedelta(milliseconds=40),
                                         cached_tokens=3, started_at=claimed.started_at)
-        ended, row = st.runs.end_job(job.id, "done", completion_tokens=5, output_text="hello",
+        ended, row = st.runs.end_job(job.id, JobStatus.DONE, completion_tokens=5,
+                                     output_text="hello",
                                      first_token_at=claimed.started_at + timedelta(milliseconds=40))
         assert ended and row is not None and row.ttft_ms == pytest.approx(40.0)
         assert row == st.jobs.get_job(job.id) == st.jobs.jobs_of_tenant(tenant.id)[0]
@@ -420,7 +421,7 @@ def test_a_database_that_refuses_connections_fails_the_driver_path_as_sqlalchemy
         with pytest.raises(OperationalError):
             st.runs.claim_job(str(uuid.uuid4()), "w1", "vllm")
         with pytest.raises(OperationalError):
-            st.runs.end_job(str(uuid.uuid4()), "done", first_token_at=datetime.now(UTC))
+            st.runs.end_job(str(uuid.uuid4()), JobStatus.DONE, first_token_at=datetime.now(UTC))
         with pytest.raises(OperationalError):
             st.jobs.get_job(str(uuid.uuid4()))
     finally:
@@ -436,7 +437,7 @@ def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
     started = store.runs.claim_job(job.id, "w1", "vllm")
     assert started is not None and started.started_at is not None
     first = started.started_at + timedelta(milliseconds=40)
-    ended, row = store.runs.end_job(job.id, "done", finish_reason="length", output_text="a",
+    ended, row = store.runs.end_job(job.id, JobStatus.DONE, finish_reason="length", output_text="a",
                                     completion_tokens=1, finished_at=first,
                                     first_token=FirstToken(first, started.started_at, 7))
     assert ended and row is not None and row == store.jobs.get_job(job.id)
@@ -448,7 +449,7 @@ def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
     assert started is not None and started.started_at is not None
     earlier = started.started_at + timedelta(milliseconds=10)
     assert store.runs.mark_first_token(marked.id, earlier, 3, started.started_at)
-    _, row = store.runs.end_job(marked.id, "done", completion_tokens=2,
+    _, row = store.runs.end_job(marked.id, JobStatus.DONE, completion_tokens=2,
                                 first_token=FirstToken(earlier + timedelta(seconds=1),
                                                        started.started_at, 9))
     assert row is not None and row.first_token_at == earlier and row.cached_tokens == 3
@@ -458,7 +459,7 @@ def test_a_first_token_that_came_with_the_end_is_written_by_the_end(
     assert started is not None and started.started_at is not None
     store.runs.cancel_job(cancelled.id)
     at = started.started_at + timedelta(milliseconds=5)
-    ended, row = store.runs.end_job(cancelled.id, "done", completion_tokens=1,
+    ended, row = store.runs.end_job(cancelled.id, JobStatus.DONE, completion_tokens=1,
                                     first_token=FirstToken(at, started.started_at))
     assert not ended and row is not None and row.status == "cancelled"
     assert row.first_token_at == at and row.ttft_ms == pytest.approx(5.0)

@@ -70,18 +70,18 @@ def test_every_way_a_job_ends_adds_exactly_its_row(store: Store) -> None:
     end = datetime.now(UTC)
     first = store.jobs.get_job(done)
     assert first is not None
-    assert store.runs.end_job(done, "done", completion_tokens=7, finished_at=end,
+    assert store.runs.end_job(done, JobStatus.DONE, completion_tokens=7, finished_at=end,
                               first_token_at=first.first_token_at)[0]
     assert ledger(store, t) == {**dict.fromkeys(KINDS, 0), "prompt_tokens": 10,
                                 "cached_tokens": 4, "completion_tokens": 7, "jobs_done": 1}
     # Retried with the same finished_at (its reply lost): nothing more.
-    assert store.runs.end_job(done, "done", completion_tokens=7, finished_at=end,
+    assert store.runs.end_job(done, JobStatus.DONE, completion_tokens=7, finished_at=end,
                               first_token_at=first.first_token_at)[0]
     assert ledger(store, t)["completion_tokens"] == 7 and ledger(store, t)["jobs_done"] == 1
 
     hooked = new_job(store, t, prompt_tokens=5, callback_url="https://crm.example.com/h")
     store.runs.claim_job(hooked, "w1", "vllm")
-    store.runs.end_job(hooked, "error", completion_tokens=2, error="boom",
+    store.runs.end_job(hooked, JobStatus.ERROR, completion_tokens=2, error="boom",
                        first_token_at=datetime.now(UTC))  # the webhook's way: the SQL path
     locked = new_job(store, t, prompt_tokens=6)
     store.runs.claim_job(locked, "w1", "vllm")
@@ -93,12 +93,13 @@ def test_every_way_a_job_ends_adds_exactly_its_row(store: Store) -> None:
     store.runs.claim_job(running, "w1", "vllm")
     store.runs.cancel_job(running)  # not ended yet: its worker ends it
     assert ledger(store, t)["jobs_cancelled"] == 1
-    store.runs.end_job(running, "done", completion_tokens=9, first_token_at=datetime.now(UTC))
+    store.runs.end_job(running, JobStatus.DONE, completion_tokens=9,
+                       first_token_at=datetime.now(UTC))
     expiring = new_job(store, t, prompt_tokens=12)
     store.runs.claim_job(expiring, "w1", "vllm")
     assert store.runs.expire_job(expiring)  # ended here, with its prompt tokens
     assert ledger(store, t)["jobs_expired"] == 1
-    store.runs.end_job(expiring, "expired", completion_tokens=5,
+    store.runs.end_job(expiring, JobStatus.EXPIRED, completion_tokens=5,
                        first_token_at=datetime.now(UTC))  # its worker fills in what it made
     assert ledger(store, t) == from_rows(store, t)
     assert ledger(store, t) == {"prompt_tokens": 10 + 5 + 6 + 8 + 12, "cached_tokens": 4,
