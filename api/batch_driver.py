@@ -34,7 +34,8 @@ from api.batch_lines import BatchInput, Line, batch_usage, build_files, line_err
 from api.deps import Deps, cancel
 from api.errors import ApiError
 from api.files import request_lines
-from api.openai_api import adapter_names, bad, parse_chat, parse_completion, resolve
+from api.openai_api import adapter_names, parse_chat, parse_completion, resolve
+from api.openai_models import bad
 from api.submit import lane_backlog, submit
 from store import JobRecord, utcnow
 from store.batches import Batches, BatchRecord

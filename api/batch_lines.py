@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from api.errors import ApiError
-from api.openai_api import Answer, error_body, job_error, parse_chat, parse_completion
+from api.openai_answers import Answer, error_body, job_error
+from api.openai_api import parse_chat, parse_completion
 from store import JobRecord
 from store.batches import BatchRecord
 from tidegate.records import JobStatus

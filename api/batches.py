@@ -28,7 +28,7 @@ from api.auth import Tenant, authenticate
 from api.deps import Deps, check_headers, json_body
 from api.errors import ApiError, not_found
 from api.files import request_lines
-from api.openai_api import bad
+from api.openai_models import bad
 from api.schemas import check_text
 from store import utcnow
 from store.batches import Batches, BatchRecord

@@ -24,10 +24,11 @@ from api.errors import ApiError, malformed, not_found, unauthorized
 from api.fleet import FLEET_CACHE_S, FleetCache, LentSlots  # noqa: F401  (FLEET_CACHE_S: for the tests)
 from api.limits import Backlogs, InFlightCounts, MonthUsage, Refresher
 from api.metrics import ApiMetrics
-from api.openai_api import error_body
+from api.openai_answers import error_body
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from api.server import SERVER_SEND
+from api.sse import error_frame
 from api.streamhub import stream_hub
 from api.submit import highest_priority
 from api.submit import submit as submit_job
@@ -129,6 +130,12 @@ class Deps:
     def fleet(self) -> list[WorkerView]:
         """Worker heartbeats as the router sees them (api/fleet.py FleetCache)."""
         return self.fleet_cache.views()
+
+
+def app_deps(request: Request) -> Deps:
+    """The app's Deps, as a FastAPI dependency of the handlers that are module functions."""
+    deps: Deps = request.app.state.deps
+    return deps
 
 
 async def json_body(request: Request, deps: Deps) -> Any:
@@ -323,17 +330,11 @@ class EventStream(StreamingResponse):
 REVOKED = "authorization: this stream's API key was revoked"
 
 
-def sse_error_frame(code: str, message: str) -> bytes:
-    """An SSE `error` event with no id (the client's Last-Event-ID stays its last event)."""
-    return b"event: error\ndata: %s\n\n" % json.dumps({"code": code,
-                                                         "message": message}).encode()
-
-
 def revoked_frames(openai: bool) -> bytes:
     """The end of a stream whose key was revoked: OpenAI's error chunk (as a 401 would
     say it) and `[DONE]`, or the jobs API's `error` event `unauthorized`."""
     if not openai:
-        return sse_error_frame("unauthorized", REVOKED)
+        return error_frame("unauthorized", REVOKED)
     _, body = error_body(unauthorized(REVOKED))
     return b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(body).encode()
 

@@ -40,7 +40,7 @@ from api.auth import authenticate
 from api.deps import Deps
 from api.errors import ApiError, not_found
 from api.limits import charge_upload, check_upload_budget
-from api.openai_api import bad
+from api.openai_models import bad
 from api.schemas import check_text
 from store.batches import Batches, FileQuota, FileRecord
 from tidegate.settings import Settings

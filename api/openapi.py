@@ -49,7 +49,7 @@ from starlette.routing import BaseRoute, Match
 
 from api import openapi_admin, openapi_openai, openapi_usage
 from api.errors import ApiError
-from api.openai_api import error_body
+from api.openai_answers import error_body
 from api.openai_routes import is_openai_path
 from api.openapi_parts import (
     BEARER,

@@ -20,13 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.files import MAX_LIST_FILES, PURPOSES
-from api.openai_api import (
-    CHAT_REFUSED,
-    COMPLETION_REFUSED,
-    ChatRequest,
-    CompletionRequest,
-    model_ids,
-)
+from api.openai_api import model_ids
+from api.openai_models import CHAT_REFUSED, COMPLETION_REFUSED, ChatRequest, CompletionRequest
 from api.openapi_parts import (
     BEARER,
     Json,

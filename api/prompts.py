@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from api.errors import unavailable
 from api.schemas import JobRequest
@@ -19,6 +19,13 @@ log = logging.getLogger("tidegate.api")
 
 TOKENIZER_WAIT_S = 30.0  # a submit waits this long for the tokenizer, then hears a 503
 LOAD_POLL_S = 0.05
+
+
+class Readiness(TypedDict, total=False):
+    """One check of GET /readyz: ok, and why not."""
+
+    ok: Required[bool]
+    error: str
 
 
 class PromptRenderer:
@@ -43,10 +50,13 @@ class PromptRenderer:
         finally:
             self._loaded.set()
 
-    def readiness(self) -> dict[str, Any]:
+    def readiness(self) -> Readiness:
         if not self._loaded.is_set():
             return {"ok": False, "error": "loading"}
-        return {"ok": not self._error, **({"error": self._error} if self._error else {})}
+        check: Readiness = {"ok": not self._error}
+        if self._error:
+            check["error"] = self._error
+        return check
 
     async def loaded(self) -> None:
         """Waits for the tokenizer without holding a thread: a submit waiting in one of the

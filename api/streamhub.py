@@ -39,6 +39,10 @@ NODE_FAILURES = (aioredis.ConnectionError, aioredis.TimeoutError, MovedError, As
                  ClusterDownError, TryAgainError)
 WAKE_TTL_S = 60  # the wake stream outlives no API process by long
 
+# A stream entry as redis-py hands it over (XREAD, XREVRANGE): its id, and its fields
+# (a job's: `e` the event's JSON as the worker wrote it, `k` its kind).
+Entry = tuple[bytes, dict[bytes, bytes]]
+
 
 @dataclass(eq=False)  # waiters are told apart by identity
 class _Waiter:
