@@ -8,12 +8,65 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict, cast
 
 from api.errors import ApiError
 from api.openai_models import ChatRequest, CompletionRequest
-from api.openai_tools import ToolCalls
+from api.openai_tools import Tool, ToolCalls, ToolChoice
+from store import JobRecord
 from tidegate.events import Event
+from tidegate.jsontypes import JSON, JSONObject
+
+# A token's logprobs as a worker writes them in its event: [token, logprob,
+# [[alternative, logprob], ...]] (a JSON array of three, read by unpacking).
+Logprob = tuple[str, float, list[tuple[str, float]]]
+
+
+class TokenData(TypedDict, total=False):
+    """A `token` event's data (tidegate/events.py), or one choice's part of it (n > 1),
+    as an answer reads it."""
+
+    index: int  # the choice (a part's)
+    text: str  # a part's text (a whole event's is Event.text)
+    logprobs: list[Logprob] | None
+    finish_reason: str | None  # a choice that ended before the others
+    tool_calls: list[JSONObject] | None  # the worker's parsed deltas
+    choices: list[TokenData]  # n > 1: a part per choice
+
+
+class TokenUsage(TypedDict, total=False):
+    """A `done` event's usage."""
+
+    prompt_tokens: int | None
+    completion_tokens: int | None  # every choice's
+    cached_tokens: int | None
+
+
+class EndData(TypedDict, total=False):
+    """How a job's events ended, as an answer reads it: a `done` event's data (its
+    finish_reason and usage), or `error`, an `error` event's data (code, message)."""
+
+    finish_reason: str | None
+    usage: TokenUsage
+    error: Mapping[str, JSON]
+
+
+def done_of(row: JobRecord) -> EndData:
+    """A `done` event's data, from a job's row."""
+    return {"finish_reason": row.finish_reason,
+            "usage": {"prompt_tokens": row.prompt_tokens,
+                      "completion_tokens": row.completion_tokens or 0,
+                      "cached_tokens": row.cached_tokens}}
+
+
+def token_data(event: Event) -> TokenData:
+    """A token event's data as its worker wrote it (Event keeps it a plain dict)."""
+    return cast(TokenData, event.data)
+
+
+def end_data(event: Event) -> EndData:
+    """A terminal event's data as its worker wrote it."""
+    return cast(EndData, event.data)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
@@ -21,7 +74,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                422: "invalid_request_error", 429: "rate_limit_error"}
 
 
-def error_body(exc: ApiError) -> tuple[int, dict[str, Any]]:
+def error_body(exc: ApiError) -> tuple[int, JSONObject]:
     """An ApiError in OpenAI's shape and status codes: a request OpenAI calls bad is a 400
     (tidegate's jobs API answers 422 where the value has the right shape)."""
     status = 400 if exc.status == 422 else exc.status
@@ -33,21 +86,21 @@ def error_body(exc: ApiError) -> tuple[int, dict[str, Any]]:
                               "code": code}}
 
 
-def usage(done: dict[str, Any], default_max_tokens: int | None = None) -> dict[str, Any]:
+def usage(done: EndData, default_max_tokens: int | None = None) -> JSONObject:
     """OpenAI's usage object from a job's `done` event data (its completion tokens count
     every choice). `default_max_tokens`: the limit applied because the request set none,
     stated beside (tidegate's field: a `length` finish under it is the default's cut)."""
     got = done.get("usage") or {}
     prompt, completion = got.get("prompt_tokens") or 0, got.get("completion_tokens") or 0
-    out = {"prompt_tokens": prompt, "completion_tokens": completion,
-           "total_tokens": prompt + completion,
-           "prompt_tokens_details": {"cached_tokens": got.get("cached_tokens") or 0}}
+    out: JSONObject = {"prompt_tokens": prompt, "completion_tokens": completion,
+                       "total_tokens": prompt + completion,
+                       "prompt_tokens_details": {"cached_tokens": got.get("cached_tokens") or 0}}
     if default_max_tokens is not None:
         out["default_max_tokens"] = default_max_tokens
     return out
 
 
-def finish_reason(done: dict[str, Any]) -> str:
+def finish_reason(done: EndData) -> str:
     """The job's finish reason as OpenAI's."""
     return openai_reason(done.get("finish_reason"))
 
@@ -65,13 +118,14 @@ class ChoiceOut:
     index: int
     text: str = ""
     finish_reason: str | None = None  # the engine's
-    logprobs: list[Any] | None = None  # the events' [token, logprob, [[alt, logprob]...]]
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # the worker's deltas
+    logprobs: list[Logprob] | None = None  # the events'
+    tool_calls: list[JSONObject] = field(default_factory=list)  # the worker's deltas
 
-    def add(self, text: str, data: dict[str, Any]) -> None:
+    def add(self, text: str, data: TokenData) -> None:
         self.text += text
-        if data.get("logprobs") is not None:
-            self.logprobs = (self.logprobs or []) + list(data["logprobs"])
+        logprobs = data.get("logprobs")
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(logprobs)
         if data.get("finish_reason"):
             self.finish_reason = data["finish_reason"]
         self.tool_calls += data.get("tool_calls") or []
@@ -91,26 +145,26 @@ def collect(events: list[Event], n: int) -> list[ChoiceOut] | None:
             if 0 <= part["index"] < n:
                 choices[part["index"]].add(part["text"], part)
         if "choices" not in event.data:
-            choices[0].add(event.text, event.data)
+            choices[0].add(event.text, token_data(event))
     reason = events[-1].data.get("finish_reason")
     for choice in choices:
         choice.finish_reason = choice.finish_reason or reason
     return choices
 
 
-def chat_logprobs(entries: list[Any]) -> dict[str, Any]:
+def chat_logprobs(entries: list[Logprob]) -> JSONObject:
     """The events' logprobs as a chat choice's `logprobs` (OpenAI's shape)."""
-    def one(token: str, logprob: float) -> dict[str, Any]:
+    def one(token: str, logprob: float) -> JSONObject:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
     return {"content": [{**one(token, lp), "top_logprobs": [one(t, v) for t, v in alts]}
                         for token, lp, alts in entries], "refusal": None}
 
 
-def text_logprobs(entries: list[Any], offset: int = 0) -> dict[str, Any]:
+def text_logprobs(entries: list[Logprob], offset: int = 0) -> JSONObject:
     """The events' logprobs as a text completion choice's legacy `logprobs`; `offset`: the
     choice's text before these tokens (their `text_offset`s follow it)."""
-    offsets = []
+    offsets: list[int] = []
     for token, _, _ in entries:
         offsets.append(offset)
         offset += len(token)
@@ -129,7 +183,7 @@ class Answer:
     chat: bool
     created: int = 0
     # The request's tools and tool_choice: how its tool calls are read (api/openai_tools.py).
-    tooling: tuple[Any, Any] = (None, None)
+    tooling: tuple[list[Tool] | None, ToolChoice | None] = (None, None)
     n: int = 1  # choices
     default_max_tokens: int | None = None  # Resolved.default_max_tokens
 
@@ -146,14 +200,14 @@ class Answer:
         """A fresh reader of this answer's tool calls (one per stream)."""
         return ToolCalls.of(*self.tooling)
 
-    def _head(self, obj: str) -> dict[str, Any]:
+    def _head(self, obj: str) -> JSONObject:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "service_tier": self.tier, "system_fingerprint": None}
 
-    def usage(self, done: dict[str, Any]) -> dict[str, Any]:
+    def usage(self, done: EndData) -> JSONObject:
         return usage(done, self.default_max_tokens)
 
-    def whole(self, choices: list[ChoiceOut] | str, done: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, choices: list[ChoiceOut] | str, done: EndData) -> JSONObject:
         """The non-streaming answer: one entry per choice (`collect`); a text: choice 0's
         alone, as a job's row keeps it."""
         if isinstance(choices, str):
@@ -162,7 +216,7 @@ class Answer:
         return {**self._head(obj), "choices": [self._choice(c) for c in choices],
                 "usage": self.usage(done)}
 
-    def _choice(self, c: ChoiceOut) -> dict[str, Any]:
+    def _choice(self, c: ChoiceOut) -> JSONObject:
         reason = openai_reason(c.finish_reason)
         if not self.chat:
             return {"index": c.index, "text": c.text, "finish_reason": reason,
@@ -174,10 +228,10 @@ class Answer:
                 "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
                 "message": {"role": "assistant", **message, "refusal": None}}
 
-    def chunk(self, text: str | None = None, done: dict[str, Any] | None = None,
-              first: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+    def chunk(self, text: str | None = None, done: EndData | None = None,
+              first: bool = False, tool_calls: list[JSONObject] | None = None,
               reason: str | None = None, *, index: int = 0,
-              logprobs: list[Any] | None = None, offset: int = 0) -> dict[str, Any]:
+              logprobs: list[Logprob] | None = None, offset: int = 0) -> JSONObject:
         """A streamed chunk of choice `index`: new text, its logprobs and tool-call deltas,
         or the end (done's finish reason, or `reason`, no text). `offset`: the choice's
         text so far (a text completion's logprobs count from it)."""
@@ -187,7 +241,7 @@ class Answer:
                     "choices": [{"index": index, "text": text or "", "finish_reason": reason,
                                  "logprobs": None if logprobs is None
                                  else text_logprobs(logprobs, offset)}]}
-        delta: dict[str, Any] = {}
+        delta: JSONObject = {}
         if first:
             delta["role"] = "assistant"
         if text is not None or first:
@@ -199,7 +253,7 @@ class Answer:
                              "logprobs": None if logprobs is None
                              else chat_logprobs(logprobs)}]}
 
-    def usage_chunk(self, done: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(self, done: EndData) -> JSONObject:
         """The last chunk under stream_options.include_usage: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": self.usage(done)}

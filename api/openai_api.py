@@ -10,7 +10,7 @@ worker and store as POST /v1/jobs. Its lane comes from, in order: tidegate's own
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from api.openai_models import (
 )
 from api.schemas import JobRequest, check_text
 from scheduler.router import WorkerView
+from tidegate.jsontypes import JSONObject
 from tidegate.lanes import Lane
 from tidegate.settings import Settings
 
@@ -79,7 +80,7 @@ def parse_completion(body: object) -> CompletionRequest:
     return _parse(CompletionRequest, COMPLETION_REFUSED, body)
 
 
-def _parse(model: type[T], refused: dict[str, tuple[Any, ...]], body: object) -> T:
+def _parse(model: type[T], refused: Mapping[str, tuple[object, ...]], body: object) -> T:
     check_text(body)
     if not isinstance(body, dict):
         raise bad("body", "expected a JSON object")
@@ -90,7 +91,8 @@ def _parse(model: type[T], refused: dict[str, tuple[Any, ...]], body: object) ->
         raise _field_error(exc) from None
 
 
-def _drop_neutral(body: dict[str, Any], refused: dict[str, tuple[Any, ...]]) -> dict[str, Any]:
+def _drop_neutral(body: Mapping[str, object],
+                  refused: Mapping[str, tuple[object, ...]]) -> dict[str, object]:
     """The body without refused fields at their neutral values; 400 naming one that would
     change the answer, or a field OpenAI does not define."""
     kept = {}
@@ -229,21 +231,21 @@ def _max_tokens(lane: Lane, asked: int | None) -> int:
     return lane.max_output_tokens if asked is None else asked
 
 
-def _job(**fields: Any) -> JobRequest:
+def _job(**fields: object) -> JobRequest:
     try:
         return JobRequest.model_validate(fields)
     except ValidationError as exc:
         raise _field_error(exc) from None
 
 
-def models_list(settings: Settings, adapters: Iterable[str] = ()) -> dict[str, Any]:
+def models_list(settings: Settings, adapters: Iterable[str] = ()) -> JSONObject:
     """GET /v1/models: the served model, the lanes as its aliases, the LoRA adapters (as
     vLLM's server lists them: `parent` the base model)."""
     return {"object": "list", "data": [model_card(settings, name, adapters)
                                        for name in model_ids(settings, adapters)]}
 
 
-def model_card(settings: Settings, model_id: str, adapters: Iterable[str] = ()) -> dict[str, Any]:
+def model_card(settings: Settings, model_id: str, adapters: Iterable[str] = ()) -> JSONObject:
     """One model's entry (GET /v1/models/{id}); 404 `model_not_found` for an unknown id.
     `root` is the base model for every entry (vLLM's is a path: not shown here); `parent`
     is the base model for an adapter, null for the base model and its lane aliases."""

@@ -17,18 +17,19 @@ from api.errors import ApiError
 from api.openai_tools import ResponseFormat, Tool, ToolChoice
 from api.schemas import MAX_LOGPROBS, MAX_N, finite
 from tidegate import capabilities as cap
+from tidegate.jsontypes import JSON, JSONObject
 
 # Extensions: tidegate's own fields, which the SDK sends through `extra_body`.
 EXTENSIONS = ("lane", "priority", "session_id", "deadline_s", "idempotency_key")
 # OpenAI's fields tidegate does not implement -> their neutral values, which change nothing.
-CHAT_REFUSED: dict[str, tuple[Any, ...]] = {
+CHAT_REFUSED: dict[str, tuple[JSON, ...]] = {
     "functions": (None, []), "function_call": (None, "none"),
     "modalities": (None, ["text"]),
     "audio": (None,), "prediction": (None,), "reasoning_effort": (None,),
     "store": (None, False), "metadata": (None, {}), "web_search_options": (None,),
     "verbosity": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,),
 }
-COMPLETION_REFUSED: dict[str, tuple[Any, ...]] = {
+COMPLETION_REFUSED: dict[str, tuple[JSON, ...]] = {
     "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
 }
 MAX_STOP = 4  # OpenAI's limit on stop sequences
@@ -88,10 +89,10 @@ class ChatMessage(BaseModel):
         if not _joined(self.content):
             raise bad(f"{at}.content", "holds no text; a message needs some")
 
-    def as_message(self) -> dict[str, Any]:
+    def as_message(self) -> JSONObject:
         """The job's message (checked by JobRequest's Message, inside `_job`)."""
         role = "system" if self.role == "developer" else self.role
-        message: dict[str, Any] = {"role": role, "content": _joined(self.content) or None}
+        message: JSONObject = {"role": role, "content": _joined(self.content) or None}
         if self.tool_calls:
             message["tool_calls"] = self.tool_calls
         if self.tool_call_id is not None:
@@ -163,7 +164,7 @@ class CommonRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling(self) -> dict[str, Any]:
+    def sampling(self) -> JSONObject:
         """The job's sampling beyond the plain fields (JobRequest checks the values)."""
         bias = None if self.logit_bias is None else {
             k: float(v) for k, v in self.logit_bias.items()}

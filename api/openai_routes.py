@@ -18,10 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Any
 from urllib.parse import quote
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.auth import Tenant, authenticate, bearer_key
@@ -59,13 +58,14 @@ def install(app: FastAPI, deps: Deps) -> None:
     checked = [Depends(check_headers)]
 
     @app.post("/v1/chat/completions", dependencies=checked, include_in_schema=False)
-    async def chat(request: Request, idempotency_key: str | None = Header(None)) -> Any:
+    async def chat(request: Request, idempotency_key: str | None = Header(None)) -> Response:
         tenant = await authenticate(deps.store, request)
         return await _complete(deps, request, tenant,
                                parse_chat(await json_body(request, deps)), idempotency_key)
 
     @app.post("/v1/completions", dependencies=checked, include_in_schema=False)
-    async def completions(request: Request, idempotency_key: str | None = Header(None)) -> Any:
+    async def completions(request: Request,
+                          idempotency_key: str | None = Header(None)) -> Response:
         tenant = await authenticate(deps.store, request)
         return await _complete(deps, request, tenant,
                                parse_completion(await json_body(request, deps)),
@@ -91,7 +91,7 @@ def _adapters(deps: Deps) -> frozenset[str]:
 
 
 async def _complete(deps: Deps, request: Request, tenant: Tenant,
-                    req: ChatRequest | CompletionRequest, header_key: str | None) -> Any:
+                    req: ChatRequest | CompletionRequest, header_key: str | None) -> Response:
     # The fleet is read only for a `model` that is neither the base model nor a lane.
     adapters = (frozenset() if req.model in model_ids(deps.settings)
                 else await asyncio.to_thread(_adapters, deps))

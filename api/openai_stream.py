@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import TypedDict
 
 from fastapi import Request
 
@@ -21,19 +21,35 @@ from api.openai_answers import (
     CANCELLED,
     Answer,
     ChoiceOut,
+    EndData,
+    Logprob,
+    TokenData,
     collect,
+    done_of,
+    end_data,
     finish_reason,
     job_error,
     openai_reason,
+    token_data,
 )
 from api.openai_tools import ToolCalls
 from api.sse import KEEPALIVE, data_frame, error_frame
+from store import JobRecord
 from tidegate.events import Event
+from tidegate.jsontypes import JSONObject
 from tidegate.records import JobStatus
 
 log = logging.getLogger("tidegate.api")
 
 POLL_S = 1.0  # a non-streaming wait looks for its client's disconnect this often
+
+
+class LogprobArgs(TypedDict, total=False):
+    """A chunk's logprobs arguments (Answer.chunk): its tokens', and its choice's text so
+    far (a text completion's offsets count from it)."""
+
+    logprobs: list[Logprob]
+    offset: int
 
 
 class Watch:
@@ -60,7 +76,7 @@ class Watch:
                         type(exc).__name__)
 
 
-async def whole(watch: Watch, request: Request, answer: Answer) -> dict[str, Any]:
+async def whole(watch: Watch, request: Request, answer: Answer) -> JSONObject:
     """The non-streaming answer: wait for the job's end (its terminal event, or its row
     when the events are quiet), then answer from the row."""
     keepalive_s = watch.deps.settings.sse_keepalive_s
@@ -85,10 +101,11 @@ async def whole(watch: Watch, request: Request, answer: Answer) -> dict[str, Any
         watch.left()
         raise
     row = await watch.stream.row()
+    assert row is not None, "a job's row outlives the wait for its answer (retention: hours)"
     return _answer(answer, row, seen)
 
 
-def _answer(answer: Answer, row: Any, events: list[Event]) -> dict[str, Any]:
+def _answer(answer: Answer, row: JobRecord, events: list[Event]) -> JSONObject:
     """The answer from the job's events (every choice, logprobs, tool calls) when they are
     all there, else from its row (choice 0's text alone)."""
     failed = _row_error(row) or _event_error(events)
@@ -101,10 +118,10 @@ def _answer(answer: Answer, row: Any, events: list[Event]) -> dict[str, Any]:
                              "before its choices were read; retry it"})
         choices = [ChoiceOut(index=0, text=row.output_text or "",
                              finish_reason=row.finish_reason)]
-    return answer.whole(choices, _done_of(row))
+    return answer.whole(choices, done_of(row))
 
 
-def _row_error(row: Any) -> dict[str, Any] | None:
+def _row_error(row: JobRecord) -> JSONObject | None:
     """An ended job's error as its event's data: expired, failed or cancelled (None: done)."""
     if row.status == JobStatus.CANCELLED:
         return {"code": CANCELLED, "message": "the job was cancelled before it ended "
@@ -115,7 +132,7 @@ def _row_error(row: Any) -> dict[str, Any] | None:
     return None
 
 
-def _event_error(events: list[Event]) -> dict[str, Any] | None:
+def _event_error(events: list[Event]) -> JSONObject | None:
     """A cancelled job's end as its terminal event tells it, as the streamed answer reads
     it (`_ending`): the row read just after may not show the cancel yet."""
     end = next((e for e in reversed(events) if e.terminal), None)
@@ -123,14 +140,6 @@ def _event_error(events: list[Event]) -> dict[str, Any] | None:
         return {"code": CANCELLED, "message": "the job was cancelled before it ended "
                 "(DELETE /v1/jobs/{id})"}
     return None
-
-
-def _done_of(row: Any) -> dict[str, Any]:
-    """A `done` event's data, from a job's row."""
-    return {"finish_reason": row.finish_reason,
-            "usage": {"prompt_tokens": row.prompt_tokens,
-                      "completion_tokens": row.completion_tokens or 0,
-                      "cached_tokens": row.cached_tokens}}
 
 
 async def chunks(watch: Watch, answer: Answer, include_usage: bool) -> AsyncIterator[bytes]:
@@ -156,7 +165,7 @@ async def chunks(watch: Watch, answer: Answer, include_usage: bool) -> AsyncIter
 
 
 async def _frames(watch: Watch, answer: Answer,
-                  streamed: list[str]) -> AsyncIterator[tuple[bytes, dict[str, Any] | None]]:
+                  streamed: list[str]) -> AsyncIterator[tuple[bytes, EndData | None]]:
     """(frames, the end's data or None) as events come; a keep-alive when they are quiet,
     and the row's ending when the job ended without its events."""
     keepalive_s = watch.deps.settings.sse_keepalive_s
@@ -186,30 +195,31 @@ async def _frames(watch: Watch, answer: Answer,
 
 
 def _token_frames(answer: Answer, calls: ToolCalls, fan: _Fanout, event: Event) -> bytes:
-    if "choices" in event.data:  # n > 1
-        return fan.frames(event.data["choices"])
-    return _token_frame(answer, calls, event.text, event.data.get("tool_calls"),
-                        fan.logprobs(0, event.text, event.data.get("logprobs")))
+    data = token_data(event)
+    if "choices" in data:  # n > 1
+        return fan.frames(data["choices"])
+    return _token_frame(answer, calls, event.text, data.get("tool_calls"),
+                        fan.logprobs(0, event.text, data.get("logprobs")))
 
 
 def _ending(answer: Answer, calls: ToolCalls, fan: _Fanout,
-            event: Event) -> tuple[bytes, dict[str, Any]] | None:
+            event: Event) -> tuple[bytes, EndData] | None:
     """A terminal event's frames and the end's data (None for another event). A cancelled
     job ends in an error chunk: its answer is not whole, and says so."""
     if event.kind == "done" and event.data.get("finish_reason") == "cancelled":
         data = {"code": CANCELLED, "message": "the job was cancelled before it ended"}
         return _error_frame(data), {"error": data}
     if event.kind == "done":
-        frames = fan.ends(event.data) if answer.n > 1 else _end_frames(answer, calls,
-                                                                       event.data)
-        return frames, event.data
+        done = end_data(event)
+        frames = fan.ends(done) if answer.n > 1 else _end_frames(answer, calls, done)
+        return frames, done
     if event.kind == "error":
         return _error_frame(event.data), {"error": event.data}
     return None
 
 
-def _row_ending(answer: Answer, row: Any, streamed: str,
-                calls: ToolCalls) -> tuple[bytes, dict[str, Any]]:
+def _row_ending(answer: Answer, row: JobRecord, streamed: str,
+                calls: ToolCalls) -> tuple[bytes, EndData]:
     """The end of a stream whose events are gone, from the job's row: the text not streamed
     yet, then the end."""
     data = _row_error(row)
@@ -218,15 +228,15 @@ def _row_ending(answer: Answer, row: Any, streamed: str,
                 "choices were streamed"}
     if data is not None:
         return _error_frame(data), {"error": data}
-    done = _done_of(row)
+    done = done_of(row)
     rest = (row.output_text or "")[len(streamed):]
     out = _token_frame(answer, calls, rest, None) if rest else b""
     return out + _end_frames(answer, calls, done), done
 
 
 def _token_frame(answer: Answer, calls: ToolCalls, text: str,
-                 worker_calls: list[dict[str, Any]] | None,
-                 logprobs: dict[str, Any] | None = None) -> bytes:
+                 worker_calls: list[JSONObject] | None,
+                 logprobs: LogprobArgs | None = None) -> bytes:
     """A token event's chunk: its text (and its tokens' logprobs: `_Fanout.logprobs`), or,
     where the request reads tool calls, the content and tool-call deltas it makes
     (api/openai_tools.py); b"" for nothing to send."""
@@ -238,7 +248,7 @@ def _token_frame(answer: Answer, calls: ToolCalls, text: str,
     return data_frame(answer.chunk(content or None, tool_calls=deltas))
 
 
-def _end_frames(answer: Answer, calls: ToolCalls, done: dict[str, Any]) -> bytes:
+def _end_frames(answer: Answer, calls: ToolCalls, done: EndData) -> bytes:
     """The end's chunks: tool calls held to the end (required), then the finish reason
     (tool_calls where calls were made, as OpenAI says it)."""
     if not calls.active:
@@ -264,13 +274,13 @@ class _Fanout:
         self.offsets = [0] * answer.n
         self.ended: set[int] = set()
 
-    def logprobs(self, index: int, text: str, entries: list[Any] | None) -> dict[str, Any]:
+    def logprobs(self, index: int, text: str, entries: list[Logprob] | None) -> LogprobArgs:
         """The chunk's logprobs arguments for `text`, and the choice's offset moved on."""
         offset = self.offsets[index]
         self.offsets[index] += len(text)
         return {} if entries is None else {"logprobs": entries, "offset": offset}
 
-    def frames(self, parts: list[dict[str, Any]]) -> bytes:
+    def frames(self, parts: list[TokenData]) -> bytes:
         out = b""
         for part in parts:
             index = part["index"]
@@ -285,7 +295,7 @@ class _Fanout:
                                                 index=index))
         return out
 
-    def ends(self, done: dict[str, Any]) -> bytes:
+    def ends(self, done: EndData) -> bytes:
         """The end of every choice not ended yet (done's finish reason)."""
         return b"".join(data_frame(self.answer.chunk(done=done, index=i))
                         for i in range(self.answer.n) if i not in self.ended)
