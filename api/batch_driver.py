@@ -23,7 +23,6 @@ import os
 import socket
 import threading
 from collections import OrderedDict
-from typing import Any
 
 from api.auth import Tenant
 from api.batch_lines import BatchInput, batch_usage, build_files
@@ -256,7 +255,7 @@ class Driver:
                   output_file_id=out_file.id if out_file else None,
                   error_file_id=err_file.id if err_file else None)
 
-    def _end(self, b: BatchRecord, status: str, **values: Any) -> None:
+    def _end(self, b: BatchRecord, status: str, **values: object) -> None:
         self.batches.end_batch(b.id, status, **values)
         self._inputs.pop(b.id, None)
         log.info("batch %s: %s (%d lines)", b.id, status, b.total)

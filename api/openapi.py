@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -369,7 +368,7 @@ DELIVERY: Json = {"type": "object", "required": ["id", "url", "status", "attempt
 
 
 def _jobs_operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],
-                    **extra: Any) -> Json:
+                    **extra: object) -> Json:
     responses = ok | {str(status): _error(status) for status in errors}
     return {"operationId": operation_id, "summary": summary, "security": BEARER,
             "responses": responses, **extra}

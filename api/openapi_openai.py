@@ -363,7 +363,7 @@ def _json_body(schema: str, example: Json | None = None) -> Json:
 
 
 def _operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],
-               body: Json | None = None, **extra: Any) -> Json:
+               body: Json | None = None, **extra: object) -> Json:
     responses = ok | {str(status): error_response(ERRORS[status], status, "OpenAIError")
                       for status in errors}
     found: Json = {"operationId": operation_id, "summary": summary, "security": BEARER,

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
+from typing import cast
 
 import redis.asyncio as aioredis
 from fastapi import Depends, FastAPI, Response
@@ -52,13 +54,13 @@ async def _readiness(deps: Deps) -> dict[str, Readiness]:
     api/fleet.py), so a rolling worker restart takes no API out of its load balancer."""
     checks: dict[str, Readiness] = {}
     try:
-        await deps.redis.ping()
+        await _ping(deps.redis)
         checks["redis"] = {"ok": True}
     except aioredis.RedisError as exc:
         checks["redis"] = {"ok": False, "error": type(exc).__name__}
     if deps.stream_redis is not deps.redis:  # the token streams live apart (TIDEGATE_STREAMS_URL)
         try:
-            await deps.stream_redis.ping()
+            await _ping(deps.stream_redis)
             checks["streams"] = {"ok": True}
         except aioredis.RedisError as exc:
             checks["streams"] = {"ok": False, "error": type(exc).__name__}
@@ -69,6 +71,12 @@ async def _readiness(deps: Deps) -> dict[str, Readiness]:
         checks["database"] = {"ok": False, "error": type(exc).__name__}
     checks["tokenizer"] = _no_paths(deps.prompts.readiness())
     return checks
+
+
+async def _ping(client: aioredis.Redis | aioredis.RedisCluster) -> None:
+    # redis-py types a command for its blocking and asyncio clients at once (a bool or an
+    # awaitable of one): the asyncio client's is the awaitable.
+    await cast(Awaitable[bool], client.ping())
 
 
 def _no_paths(check: Readiness) -> Readiness:

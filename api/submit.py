@@ -27,10 +27,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import redis
 from celery import Celery
+from redis.client import Pipeline
 
 from api import limits, openai_tools
 from api.errors import ApiError, bad_request, malformed, unavailable
@@ -59,7 +60,7 @@ class SubmitDeps(Protocol):
 
     settings: Settings
     store: Store
-    sync_redis: Any  # redis.Redis: blocking, called from the submit threads
+    sync_redis: redis.Redis  # blocking, called from the submit threads
     fair_push: FairPush  # on sync_redis (the broker, where `writes_to` it)
     celery: Celery
     prompts: PromptRenderer
@@ -350,7 +351,7 @@ def _push(deps: SubmitDeps, checked: Checked, queue: str, priority: int,
         raise pushed
 
 
-def _sample_traffic(deps: SubmitDeps, pipe: Any, lane: Lane, system: str) -> None:
+def _sample_traffic(deps: SubmitDeps, pipe: Pipeline, lane: Lane, system: str) -> None:
     """Adds to `pipe` the lane's arrivals per minute (the scheduler moves them into the
     store for its forecast), and on a lane that shares its prefix cache, the system
     prompts by use (warmed into activated workers; tidegate/hot.py)."""
