@@ -1,7 +1,7 @@
 """What the API's routes share: the dependencies built once at startup (Deps), and the
-steps of a job's life that more than one front door takes (the jobs API, api/app.py; the
-OpenAI-compatible one, api/openai_routes.py): reading a body and its headers, admitting a
-submit, cancelling, a job as JSON."""
+steps of a job's life that more than one front door takes (the jobs API,
+api/job_routes.py; the OpenAI-compatible one, api/openai_routes.py): reading a body and
+its headers, admitting a submit, cancelling, a job as JSON."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ api/openapi_admin.py. For the jobs API:
                    NUL in text; `lane` one of the lanes file's, `max_tokens` and
                    `deadline_s` at most the largest any lane allows
     auth           an HTTP bearer scheme (the API key) on every /v1/jobs operation
-    headers        Idempotency-Key and Last-Event-ID in the shapes api/app.py accepts
+    headers        Idempotency-Key and Last-Event-ID in the shapes the routes accept
     responses      every status a route answers; each error as api/errors.py writes it,
                    {"error": {"type", "field", "message"}}, 429 and 503 with Retry-After;
                    the event stream's events and their JSON
@@ -68,7 +68,7 @@ from tidegate.events import Event
 from tidegate.lanes import Lane
 from tidegate.settings import Settings
 
-HIDDEN_JOB_FIELDS = ("tenant_id", "idempotency_key")  # api/app.py `_job_json` drops them
+HIDDEN_JOB_FIELDS = ("tenant_id", "idempotency_key")  # api/deps.py `job_json` drops them
 # JobRequest's `_one_input`: a non-empty `messages` or a non-empty `prompt`, not both.
 ONE_INPUT = [
     {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1},
@@ -92,9 +92,10 @@ ERRORS = {
     503: "Redis, the database or every worker of the lane is unavailable, or the API is "
          "overloaded; retry after `Retry-After` seconds.",
 }
-# Header and path values as api/app.py checks them (`_check_headers`, `_resume_after`,
-# `JOB_ID`): anything else is a 400, or a 404 for a job id. An empty Last-Event-ID is
-# no id at all (the SSE spec's reconnection sends none), so the stream starts over.
+# Header and path values as the routes check them (api/deps.py `check_headers`, `JOB_ID`;
+# api/job_routes.py `_resume_after`): anything else is a 400, or a 404 for a job id. An
+# empty Last-Event-ID is no id at all (the SSE spec's reconnection sends none), so the
+# stream starts over.
 PARAMETERS = {
     "idempotency-key": {"type": "string", "pattern": "^[!-~]{1,255}$"},
     "last-event-id": {"type": "string", "pattern": "^(-1|[0-9]{1,18})?$"},

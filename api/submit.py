@@ -1,5 +1,6 @@
-"""Submitting a job, as plain code: api/app.py reads the request and writes the response;
-everything between is here, with no HTTP in it.
+"""Submitting a job, as plain code: the routes (api/job_routes.py, api/openai_routes.py,
+the batch driver) read the request and write the response; everything between is here,
+with no HTTP in it.
 
 Checks come before effects, so a refused request changed nothing:
 
@@ -56,7 +57,7 @@ if TYPE_CHECKING:  # api.auth reads the HTTP request: only its Tenant record is 
 log = logging.getLogger("tidegate.api")
 
 class SubmitDeps(Protocol):
-    """What a submit uses of the API's shared dependencies (api.app.Deps)."""
+    """What a submit uses of the API's shared dependencies (api.deps.Deps)."""
 
     settings: Settings
     store: Store
