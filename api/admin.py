@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -33,7 +33,9 @@ from api.schemas import check_text
 from store import TenantExistsError, TenantRecord
 from store.tenants import KeyRecord, Tenants
 from tasks.webhooks import UrlMalformed, UrlRefused, check_url
+from tidegate.jsontypes import JSONObject
 
+M = TypeVar("M", bound=BaseModel)
 MAX_OVERLAP_S = 30 * 86400
 MAX_INT32 = 2**31 - 1
 MAX_INT64 = 2**63 - 1
@@ -107,7 +109,7 @@ class _Routes:
     async def _admin(self, request: Request) -> None:
         await require_admin(self.tenants, request)
 
-    async def _body(self, request: Request, model: type[BaseModel]) -> Any:
+    async def _body(self, request: Request, model: type[M]) -> M:
         body = await json_body(request, self.deps)
         check_text(body)
         try:
@@ -235,7 +237,7 @@ def _at(value: datetime | None) -> str | None:
     return value.isoformat() if value is not None else None
 
 
-def tenant_json(t: TenantRecord) -> dict[str, Any]:
+def tenant_json(t: TenantRecord) -> JSONObject:
     return {"id": t.id, "name": t.name, "lanes": list(t.lanes), "active": t.active,
             "created_at": _at(t.created_at), "revoked_at": _at(t.revoked_at),
             "requests_per_minute": t.requests_per_minute,
@@ -244,7 +246,7 @@ def tenant_json(t: TenantRecord) -> dict[str, Any]:
             "fair_weight": t.fair_weight or 1}
 
 
-def key_json(k: KeyRecord) -> dict[str, Any]:
+def key_json(k: KeyRecord) -> JSONObject:
     return {"id": k.id, "name": k.name, "active": k.active, "created_at": _at(k.created_at),
             "last_used_at": _at(k.last_used_at), "expires_at": _at(k.expires_at),
             "revoked_at": _at(k.revoked_at)}

@@ -26,11 +26,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, TypeVarTuple
 
 from api.errors import over_limit, unavailable
 
 T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 STOP = (float("inf"),)  # sorts after every real rank
 
 
@@ -50,7 +51,7 @@ class Admission:
         for thread in self._threads:
             thread.start()
 
-    async def run(self, rank: tuple[float, ...], fn: Callable[..., T], *args: Any,
+    async def run(self, rank: tuple[float, ...], fn: Callable[[*Ts], T], *args: *Ts,
                   unknown_caller: bool = False) -> T:
         """fn(*args) on an admission thread, in its turn. `unknown_caller`: a call made for
         a caller not known yet (rank it last), counted against `max_unknown` only."""
@@ -189,7 +190,7 @@ class RecentLanes:
         return known[1] if known is not None else None
 
 
-def _settle(done: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+def _settle(done: asyncio.Future[T], result: T, exc: BaseException | None) -> None:
     if done.cancelled():
         return
     if exc is not None:

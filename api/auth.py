@@ -27,9 +27,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import cachetools
+import redis as syncredis
+import redis.asyncio as aioredis
 from fastapi import Request
 from limits import RateLimitItemPerSecond
 from limits.storage import MemoryStorage
@@ -320,7 +321,7 @@ class OpenStreams:
         return False
 
 
-def announce_change(client: Any, namespace: str) -> None:
+def announce_change(client: syncredis.Redis, namespace: str) -> None:
     """A key or tenant changed (revoked, rotated, its lanes or limits): this process and,
     through Redis, every other API process forget the keys they had found valid (and end
     the streams of keys now refused)."""
@@ -328,7 +329,7 @@ def announce_change(client: Any, namespace: str) -> None:
     client.publish(keys.auth_changed_channel(namespace), "1")
 
 
-async def follow_changes(client: Any, namespace: str,
+async def follow_changes(client: aioredis.Redis, namespace: str,
                          on_change: Callable[[], None] = lambda: None) -> None:
     """Forget the valid keys, and call `on_change`, whenever a process announces a change
     (runs until cancelled). A lost message costs at most KEY_CACHE_S of trust in a key."""

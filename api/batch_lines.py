@@ -14,9 +14,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from api.errors import ApiError
-from api.openai_api import Answer, error_body, job_error, parse_chat, parse_completion
+from api.openai_answers import Answer, done_of, error_body, job_error
+from api.openai_api import parse_chat, parse_completion
 from store import JobRecord
 from store.batches import BatchRecord
+from tidegate.jsontypes import JSONObject
 from tidegate.records import JobStatus
 
 _NOT_JSON = object()
@@ -69,14 +71,14 @@ def parse_lines(raw: list[str], endpoint: str) -> list[Line]:
     return [source.line(i) for i in range(len(source))]
 
 
-def _item(text: str) -> Any:
+def _item(text: str) -> object:
     try:
         return json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
         return _NOT_JSON
 
 
-def _custom_id(item: Any) -> str | None:
+def _custom_id(item: object) -> str | None:
     """The line's custom_id, when the line claims one (an object with a non-empty one)."""
     if not isinstance(item, dict):
         return None
@@ -84,7 +86,7 @@ def _custom_id(item: Any) -> str | None:
     return custom_id if isinstance(custom_id, str) and custom_id else None
 
 
-def _line(item: Any, endpoint: str, first: dict[str, int], i: int) -> Line:
+def _line(item: object, endpoint: str, first: dict[str, int], i: int) -> Line:
     if item is _NOT_JSON:
         return Line(None, None, "not valid JSON")
     if not isinstance(item, dict):
@@ -104,7 +106,7 @@ def _line(item: Any, endpoint: str, first: dict[str, int], i: int) -> Line:
     return Line(custom_id, body)
 
 
-def line_error(line_no: int, custom_id: str | None, exc: ApiError) -> dict[str, Any]:
+def line_error(line_no: int, custom_id: str | None, exc: ApiError) -> JSONObject:
     """A refused line as the batch row keeps it (`line_errors`)."""
     status, body = error_body(exc)
     return {"line": line_no, "custom_id": custom_id, "status_code": status, "body": body}
@@ -120,8 +122,8 @@ def build_files(b: BatchRecord, source: BatchInput,
     answered (`error: null`); a line the batch's cancel or expiry stopped, before it ran
     or while it ran, has `response: null` and `error.code` `batch_cancelled` or
     `batch_expired`, as OpenAI writes them."""
-    output: list[dict[str, Any]] = []
-    errors: list[dict[str, Any]] = []
+    output: list[JSONObject] = []
+    errors: list[JSONObject] = []
     refused = {e["line"]: e for e in b.line_errors}
     stopped = _stopped_error(b)
     for i in range(b.total):
@@ -157,7 +159,7 @@ def _stopped_error(b: BatchRecord) -> dict[str, str] | None:
     return None
 
 
-def batch_usage(jobs: dict[int, JobRecord]) -> dict[str, Any]:
+def batch_usage(jobs: dict[int, JobRecord]) -> JSONObject:
     """The batch's `usage`, as OpenAI's batch object has it: the tokens of its completed
     requests (the sums of the output file's `usage`)."""
     done = [job for job in jobs.values() if job.status == JobStatus.DONE]
@@ -184,15 +186,11 @@ def _answer(b: BatchRecord, line: Line, job: JobRecord) -> Answer:
     return replace(Answer.of(job.id, req, "flex"), created=created)
 
 
-def _job_line(b: BatchRecord, line: Line, job: JobRecord) -> dict[str, Any]:
+def _job_line(b: BatchRecord, line: Line, job: JobRecord) -> JSONObject:
     head = {"id": f"batch_req_{job.id}", "custom_id": line.custom_id, "error": None}
     if job.status == JobStatus.DONE:
         answer = _answer(b, line, job)
-        done = {"finish_reason": job.finish_reason,
-                "usage": {"prompt_tokens": job.prompt_tokens,
-                          "completion_tokens": job.completion_tokens or 0,
-                          "cached_tokens": job.cached_tokens}}
-        body = answer.whole(job.output_text or "", done)
+        body = answer.whole(job.output_text or "", done_of(job))
         return {**head, "response": {"status_code": 200, "request_id": job.id, "body": body}}
     if job.status == JobStatus.CANCELLED:  # cancelled by itself (DELETE /v1/jobs/{id})
         error = ApiError(499, None, "the request was cancelled before it ended",
@@ -204,5 +202,5 @@ def _job_line(b: BatchRecord, line: Line, job: JobRecord) -> dict[str, Any]:
     return {**head, "response": {"status_code": status, "request_id": job.id, "body": body}}
 
 
-def _jsonl(items: list[dict[str, Any]]) -> str:
+def _jsonl(items: list[JSONObject]) -> str:
     return "".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items)

@@ -17,22 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from datetime import timedelta
-from typing import Any
+from datetime import datetime, timedelta
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from api import files, limits
 from api.auth import Tenant, authenticate
-from api.deps import Deps, check_headers, json_body
+from api.deps import Deps, RouteOptions, check_headers, json_body
 from api.errors import ApiError, not_found
 from api.files import request_lines
-from api.openai_api import bad
+from api.openai_models import bad
 from api.schemas import check_text
 from store import utcnow
 from store.batches import Batches, BatchRecord
 from tidegate.records import BatchStatus
+from tidegate.jsontypes import JSONObject
 
 log = logging.getLogger("tidegate.api")
 
@@ -48,13 +48,13 @@ BATCH_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def install(app: FastAPI, deps: Deps, batches: Batches) -> None:
-    hidden: dict[str, Any] = {"dependencies": [Depends(check_headers)],
+    hidden: RouteOptions = {"dependencies": [Depends(check_headers)],
                               "include_in_schema": False}
     files.install(app, deps, batches, hidden)
     _batch_routes(app, deps, batches, hidden)
 
 
-def _batch_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
+def _batch_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: RouteOptions) -> None:
     @app.post("/v1/batches", **hidden)
     async def create(request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
@@ -92,7 +92,7 @@ def _batch_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, 
 # -- batches -------------------------------------------------------------------------
 
 
-def _create(deps: Deps, batches: Batches, tenant: Tenant, body: Any) -> BatchRecord:
+def _create(deps: Deps, batches: Batches, tenant: Tenant, body: object) -> BatchRecord:
     if not isinstance(body, dict):
         raise bad("body", "expected a JSON object")
     check_text(body)
@@ -121,7 +121,7 @@ def _create(deps: Deps, batches: Batches, tenant: Tenant, body: Any) -> BatchRec
                                 output_expires_after_s=output_expires_s)
 
 
-def _metadata(value: Any) -> dict[str, str] | None:
+def _metadata(value: object) -> dict[str, str] | None:
     if value is None:
         return None
     if (not isinstance(value, dict) or len(value) > MAX_METADATA
@@ -168,8 +168,8 @@ def _cancel_batch(batches: Batches, batch_id: str, tenant_id: int) -> BatchRecor
     return moved or record  # it had ended, or was ending: as it is
 
 
-def batch_json(b: BatchRecord) -> dict[str, Any]:
-    def at(value: Any) -> int | None:
+def batch_json(b: BatchRecord) -> JSONObject:
+    def at(value: datetime | None) -> int | None:
         return int(value.timestamp()) if value is not None else None
 
     errors = None
@@ -187,6 +187,6 @@ def batch_json(b: BatchRecord) -> dict[str, Any]:
             "metadata": b.meta, "model": b.model, "usage": b.usage or _NO_USAGE}
 
 
-_NO_USAGE = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+_NO_USAGE: JSONObject = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
              "input_tokens_details": {"cached_tokens": 0},
              "output_tokens_details": {"reasoning_tokens": 0}}

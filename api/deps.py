@@ -1,7 +1,7 @@
 """What the API's routes share: the dependencies built once at startup (Deps), and the
-steps of a job's life that more than one front door takes (the jobs API, api/app.py; the
-OpenAI-compatible one, api/openai_routes.py): reading a body and its headers, admitting a
-submit, cancelling, a job as JSON."""
+steps of a job's life that more than one front door takes (the jobs API,
+api/job_routes.py; the OpenAI-compatible one, api/openai_routes.py): reading a body and
+its headers, admitting a submit, cancelling, a job as JSON."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import json
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TypedDict
 
 import redis as syncredis
+import redis.asyncio as aioredis
 from celery import Celery
-from fastapi import Request
+from fastapi import Request, params
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -24,21 +25,23 @@ from api.errors import ApiError, malformed, not_found, unauthorized
 from api.fleet import FLEET_CACHE_S, FleetCache, LentSlots  # noqa: F401  (FLEET_CACHE_S: for the tests)
 from api.limits import Backlogs, InFlightCounts, MonthUsage, Refresher
 from api.metrics import ApiMetrics
-from api.openai_api import error_body
+from api.openai_answers import error_body
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
 from api.server import SERVER_SEND
+from api.sse import error_frame
 from api.streamhub import stream_hub
 from api.submit import highest_priority
 from api.submit import submit as submit_job
 from scheduler.router import WorkerView
-from store import Store
+from store import JobRecord, Store
 from store.usage import Usage
 from tasks.app import make_app, queue_lengths
 from tidegate import keys, redisconn
 from tidegate.events import Event
 from tidegate.fairq import FairPush
 from tidegate.fleet import read_fleet
+from tidegate.jsontypes import JSONObject
 from tidegate.ratelimit import RateLimits
 from tidegate.records import JobStatus
 from tidegate.settings import Settings
@@ -70,6 +73,13 @@ JOB_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")  # uuid4 strings; anything else is
 COMPLETION_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 
 
+class RouteOptions(TypedDict, total=False):
+    """Keyword arguments a module gives each of its routes (`app.get(path, **options)`)."""
+
+    dependencies: list[params.Depends]
+    include_in_schema: bool
+
+
 class Deps:
     """What the handlers share; built once at startup."""
 
@@ -79,7 +89,7 @@ class Deps:
         # SSE streams wait on one shared XREAD (api/streamhub.py), not a connection each;
         # the pool is bounded all the same (the socket timeout is longer than any block),
         # so the API can never take the connections Redis has for the workers.
-        self.redis: Any = redisconn.async_client(
+        self.redis: aioredis.Redis = redisconn.async_client(
             settings.redis_url, max_connections=settings.sse_max_streams + REDIS_SPARE_CONNECTIONS,
             pool_timeout_s=REDIS_POOL_WAIT_S, socket_timeout=settings.sse_keepalive_s + 10,
             socket_connect_timeout=settings.redis_connect_timeout_s)
@@ -90,8 +100,8 @@ class Deps:
         self.fair_push = FairPush(self.sync_redis, settings.namespace, settings.fair_burst_jobs)
         # Jobs' streams and cancel keys (TIDEGATE_STREAMS_URL): the same clients unless
         # they live apart, maybe on a cluster.
-        self.stream_redis: Any = self.redis
-        self.sync_stream_redis: Any = self.sync_redis
+        self.stream_redis: aioredis.Redis | aioredis.RedisCluster = self.redis
+        self.sync_stream_redis: syncredis.Redis | syncredis.RedisCluster = self.sync_redis
         if settings.streams_url:
             self.stream_redis = redisconn.async_streams_client(
                 settings.streams_url,
@@ -131,7 +141,13 @@ class Deps:
         return self.fleet_cache.views()
 
 
-async def json_body(request: Request, deps: Deps) -> Any:
+def app_deps(request: Request) -> Deps:
+    """The app's Deps, as a FastAPI dependency of the handlers that are module functions."""
+    deps: Deps = request.app.state.deps
+    return deps
+
+
+async def json_body(request: Request, deps: Deps) -> object:
     limit = deps.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isascii() and declared.isdigit() and int(declared) > limit:
@@ -213,7 +229,7 @@ def admit(deps: Deps, key: str, req: JobRequest, header_key: str | None) -> JobA
     return accepted
 
 
-def cancel(deps: Deps, job_id: str, tenant_id: int) -> Any:
+def cancel(deps: Deps, job_id: str, tenant_id: int) -> JobRecord:
     """Cancel the job, however often asked: a job that had already ended (by an earlier
     DELETE too) comes back as it is, 200; the effects that are safe to repeat are."""
     job = deps.store.runs.cancel_job(job_id, tenant_id)
@@ -244,7 +260,7 @@ def end_unstarted(deps: Deps, job_id: str) -> None:
         raise added
 
 
-def job_json(job: Any) -> dict[str, Any]:
+def job_json(job: JobRecord) -> JSONObject:
     body = asdict(job)
     body.pop("tenant_id", None)
     body.pop("idempotency_key", None)
@@ -323,17 +339,11 @@ class EventStream(StreamingResponse):
 REVOKED = "authorization: this stream's API key was revoked"
 
 
-def sse_error_frame(code: str, message: str) -> bytes:
-    """An SSE `error` event with no id (the client's Last-Event-ID stays its last event)."""
-    return b"event: error\ndata: %s\n\n" % json.dumps({"code": code,
-                                                         "message": message}).encode()
-
-
 def revoked_frames(openai: bool) -> bytes:
     """The end of a stream whose key was revoked: OpenAI's error chunk (as a 401 would
     say it) and `[DONE]`, or the jobs API's `error` event `unauthorized`."""
     if not openai:
-        return sse_error_frame("unauthorized", REVOKED)
+        return error_frame("unauthorized", REVOKED)
     _, body = error_body(unauthorized(REVOKED))
     return b"data: %s\n\ndata: [DONE]\n\n" % json.dumps(body).encode()
 

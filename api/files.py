@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -37,12 +36,13 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from api.auth import authenticate
-from api.deps import Deps
+from api.deps import Deps, RouteOptions
 from api.errors import ApiError, not_found
 from api.limits import charge_upload, check_upload_budget
-from api.openai_api import bad
+from api.openai_models import bad
 from api.schemas import check_text
 from store.batches import Batches, FileQuota, FileRecord
+from tidegate.jsontypes import JSONObject
 from tidegate.settings import Settings
 
 DAY_S = 86400
@@ -64,12 +64,12 @@ PURPOSES = ("assistants", "assistants_output", "batch", "batch_output", "fine-tu
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def install(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
+def install(app: FastAPI, deps: Deps, batches: Batches, hidden: RouteOptions) -> None:
     _list_route(app, deps, batches, hidden)
     _file_routes(app, deps, batches, hidden)
 
 
-def _list_route(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
+def _list_route(app: FastAPI, deps: Deps, batches: Batches, hidden: RouteOptions) -> None:
     @app.get("/v1/files", **hidden)
     async def list_files(request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
@@ -85,7 +85,7 @@ def _list_route(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, An
                              "has_more": len(rows) > limit})
 
 
-def _file_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: dict[str, Any]) -> None:
+def _file_routes(app: FastAPI, deps: Deps, batches: Batches, hidden: RouteOptions) -> None:
     @app.post("/v1/files", **hidden)
     async def upload(request: Request) -> JSONResponse:
         tenant = await authenticate(deps.store, request)
@@ -351,7 +351,7 @@ def _upload_expiry(fields: dict[str, str]) -> int | None:
     return expires_after({"anchor": anchor, "seconds": value}, "expires_after")
 
 
-def expires_after(value: Any, field: str) -> int:
+def expires_after(value: object, field: str) -> int:
     """OpenAI's expiration policy, `{"anchor": "created_at", "seconds": N}`: N, checked."""
     if not isinstance(value, dict) or set(value) - {"anchor", "seconds"}:
         raise bad(field, 'expected {"anchor": "created_at", "seconds": N}')
@@ -365,7 +365,7 @@ def expires_after(value: Any, field: str) -> int:
     return seconds
 
 
-def output_expiry_s(value: Any, settings: Settings) -> int:
+def output_expiry_s(value: object, settings: Settings) -> int:
     """A new batch's `output_expires_after` as the seconds its output and error files
     live: the batch's own choice, at most the deployment's retention (its default)."""
     limit = int(settings.batch_output_retention_days * DAY_S)
@@ -410,7 +410,7 @@ def request_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def file_json(record: FileRecord) -> dict[str, Any]:
+def file_json(record: FileRecord) -> JSONObject:
     expires = record.expires_at
     return {"id": record.id, "object": "file", "bytes": record.bytes,
             "created_at": int(record.created_at.timestamp()), "filename": record.filename,

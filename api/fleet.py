@@ -17,8 +17,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import redis.asyncio as aioredis
+
 from scheduler.router import WorkerView
 from tidegate import keys
+from tidegate.jsontypes import JSONObject
 from tidegate.lanes import Lane
 from tidegate.records import Heartbeat, WorkerState
 
@@ -28,7 +31,7 @@ FLEET_CACHE_S = 0.25  # heartbeats are read again after this long (fleet_cache_s
 FOLLOW_POLL_S = 1.0  # follow_fleet waits this long for a message per call
 
 
-def fleet_report(fleet: Iterable[Heartbeat], lanes: Mapping[str, Lane]) -> dict[str, Any]:
+def fleet_report(fleet: Iterable[Heartbeat], lanes: Mapping[str, Lane]) -> JSONObject:
     """{"ready", "workers": {state: count}, "lanes": {lane: {"ready", "runs_on"?,
     state: {pool: [names]}}}}. A lane is ready when a worker serving it is active, or
     when it needs none (`min_workers = 0`); the fleet is ready when every lane is. A lane
@@ -41,7 +44,7 @@ def fleet_report(fleet: Iterable[Heartbeat], lanes: Mapping[str, Lane]) -> dict[
             "lanes": report}
 
 
-def _lane_report(lane: Lane, lanes: Mapping[str, Lane], fleet: list[Heartbeat]) -> dict[str, Any]:
+def _lane_report(lane: Lane, lanes: Mapping[str, Lane], fleet: list[Heartbeat]) -> JSONObject:
     host = lanes.get(lane.runs_on, lane) if lane.runs_on else lane
     by_state: dict[str, dict[str, list[str]]] = {state.value: {} for state in WorkerState}
     for hb in fleet:
@@ -124,7 +127,8 @@ class LentSlots:
         return counts
 
 
-async def follow_fleet(client: Any, namespace: str, on_change: Callable[[], None]) -> None:
+async def follow_fleet(client: aioredis.Redis, namespace: str,
+                       on_change: Callable[[], None]) -> None:
     """Calls `on_change` whenever a worker announces a change on the fleet channel
     (keys.fleet_channel), and after each (re)subscribe for what was missed meanwhile; runs
     until cancelled. A lost message costs at most `fleet_cache_s` of a stale fleet."""

@@ -40,9 +40,11 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import UTC, date, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+import redis.asyncio as aioredis
 
 from api.errors import ApiError, over_limit
 from tidegate import keys, ratelimit
@@ -63,11 +65,12 @@ class Refresher:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waiting: set[Any] = set()
-        self._reads: queue.SimpleQueue[tuple[Any, Callable[[], object]]] = queue.SimpleQueue()
+        self._waiting: set[Hashable] = set()
+        self._reads: queue.SimpleQueue[tuple[Hashable, Callable[[], object]]] = (
+            queue.SimpleQueue())
         self._thread: threading.Thread | None = None
 
-    def ask(self, key: Any, read: Callable[[], object]) -> None:
+    def ask(self, key: Hashable, read: Callable[[], object]) -> None:
         with self._lock:
             if key in self._waiting:
                 return
@@ -205,7 +208,7 @@ class MonthUsage:
         return tokens
 
 
-async def check_upload_budget(client: Any, namespace: str, tenant_id: int,
+async def check_upload_budget(client: aioredis.Redis, namespace: str, tenant_id: int,
                               per_minute: int) -> None:
     """429 before an upload is read when the tenant's upload bytes this minute are spent
     (async: the upload route's Redis is the API's asyncio client). An upload is charged
@@ -222,7 +225,8 @@ async def check_upload_budget(client: Any, namespace: str, tenant_id: int,
                        headers={"Retry-After": str(retry_after), "Connection": "close"})
 
 
-async def charge_upload(client: Any, namespace: str, tenant_id: int, read: int) -> None:
+async def charge_upload(client: aioredis.Redis, namespace: str, tenant_id: int,
+                        read: int) -> None:
     key = keys.rate_window(namespace, tenant_id, int(time.time() // 60), "upload_bytes")
     pipe = client.pipeline(transaction=True)
     pipe.incrby(key, read)

@@ -25,7 +25,7 @@ DEFAULT_LIMIT, MAX_LIMIT = 100, 1000
 PARAMS = ("status", "lane", "session_id", "created_after", "after", "limit")
 SESSION_ID = re.compile(r"[\x21-\x7e]{1,255}")  # what the store's column and a header hold
 MAX_CURSOR = 200
-JOB_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")  # api/app.py's: what a job id can be
+JOB_ID = re.compile(r"[0-9A-Za-z_.:-]{1,64}")  # api/deps.py's: what a job id can be
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api.errors import ApiError
 from tidegate import capabilities as cap
+from tidegate.jsontypes import JSONObject
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 MAX_TOOLS = 128  # OpenAI's limit
@@ -156,7 +158,7 @@ def _check_format(fmt: ResponseFormat) -> None:
                    f"{fmt.type!r}")
 
 
-def _check_schema(param: str, schema: dict[str, Any]) -> None:
+def _check_schema(param: str, schema: Mapping[str, object]) -> None:
     """A JSON Schema, by its metaschema: a schema the engine's grammar compiler refused
     later would fail the job on the worker (a 502 after the wait), not the request."""
     import jsonschema
@@ -185,7 +187,7 @@ def tool_mode(tools: list[Tool] | None, tool_choice: ToolChoice | None) -> Mode:
 
 def guided(response_format: ResponseFormat | None, tools: list[Tool] | None,
            tool_choice: ToolChoice | None,
-           parallel_tool_calls: bool | None) -> dict[str, Any] | None:
+           parallel_tool_calls: bool | None) -> JSONObject | None:
     """The structured-output constraint the engine runs (vLLM's StructuredOutputsParams
     fields), or None."""
     mode = tool_mode(tools, tool_choice)
@@ -202,17 +204,17 @@ def guided(response_format: ResponseFormat | None, tools: list[Tool] | None,
     return {"json": spec.schema_ if spec is not None and spec.schema_ is not None else {}}
 
 
-def _params(tool: Tool) -> dict[str, Any]:
+def _params(tool: Tool) -> JSONObject:
     # No parameters still means a JSON object of arguments (vLLM: _params_or_empty_object).
     return tool.function.parameters or {"type": "object", "properties": {}}
 
 
-def _calls_schema(tools: list[Tool], parallel: bool | None) -> dict[str, Any]:
+def _calls_schema(tools: list[Tool], parallel: bool | None) -> JSONObject:
     """An array of {name, parameters}, one of the tools each (vLLM's schema for
     `required`); one call at most when parallel_tool_calls is false. Unlike vLLM's, a
     call holds no other key: a model may not wander off into one after the parameters
     and spend its max_tokens there."""
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {
+    schema: JSONObject = {"type": "array", "minItems": 1, "items": {
         "type": "object",
         "anyOf": [{"properties": {"name": {"type": "string", "enum": [t.function.name]},
                                   "parameters": _params(t)},
@@ -224,7 +226,7 @@ def _calls_schema(tools: list[Tool], parallel: bool | None) -> dict[str, Any]:
 
 
 def tool_parse(tools: list[Tool] | None, tool_choice: ToolChoice | None,
-               tool_parser: str | None) -> dict[str, Any] | None:
+               tool_parser: str | None) -> JSONObject | None:
     """What the worker needs to find `auto` calls in the text: its parser and the tools."""
     if tool_mode(tools, tool_choice) != "auto" or tool_parser is None or tools is None:
         return None
@@ -261,7 +263,7 @@ class ToolCalls:
 
     # whole answers
 
-    def message(self, text: str, worker_calls: list[dict[str, Any]]) -> dict[str, Any]:
+    def message(self, text: str, worker_calls: list[JSONObject]) -> JSONObject:
         """The assistant message's content and tool_calls for the whole text."""
         if self.mode == "named":
             return {"content": None, "tool_calls": [self._call(self.name, text)]}
@@ -280,7 +282,7 @@ class ToolCalls:
             return "tool_calls"
         return engine_reason
 
-    def _call(self, name: str, arguments: str) -> dict[str, Any]:
+    def _call(self, name: str, arguments: str) -> JSONObject:
         return {"id": call_id(), "type": "function",
                 "function": {"name": name, "arguments": arguments}}
 

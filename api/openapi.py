@@ -15,7 +15,7 @@ api/openapi_admin.py. For the jobs API:
                    NUL in text; `lane` one of the lanes file's, `max_tokens` and
                    `deadline_s` at most the largest any lane allows
     auth           an HTTP bearer scheme (the API key) on every /v1/jobs operation
-    headers        Idempotency-Key and Last-Event-ID in the shapes api/app.py accepts
+    headers        Idempotency-Key and Last-Event-ID in the shapes the routes accept
     responses      every status a route answers; each error as api/errors.py writes it,
                    {"error": {"type", "field", "message"}}, 429 and 503 with Retry-After;
                    the event stream's events and their JSON
@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Mapping
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -49,7 +48,7 @@ from starlette.routing import BaseRoute, Match
 
 from api import openapi_admin, openapi_openai, openapi_usage
 from api.errors import ApiError
-from api.openai_api import error_body
+from api.openai_answers import error_body
 from api.openai_routes import is_openai_path
 from api.openapi_parts import (
     BEARER,
@@ -69,7 +68,7 @@ from tidegate.events import Event
 from tidegate.lanes import Lane
 from tidegate.settings import Settings
 
-HIDDEN_JOB_FIELDS = ("tenant_id", "idempotency_key")  # api/app.py `_job_json` drops them
+HIDDEN_JOB_FIELDS = ("tenant_id", "idempotency_key")  # api/deps.py `job_json` drops them
 # JobRequest's `_one_input`: a non-empty `messages` or a non-empty `prompt`, not both.
 ONE_INPUT = [
     {"required": ["messages"], "properties": {"messages": {"type": "array", "minItems": 1},
@@ -93,9 +92,10 @@ ERRORS = {
     503: "Redis, the database or every worker of the lane is unavailable, or the API is "
          "overloaded; retry after `Retry-After` seconds.",
 }
-# Header and path values as api/app.py checks them (`_check_headers`, `_resume_after`,
-# `JOB_ID`): anything else is a 400, or a 404 for a job id. An empty Last-Event-ID is
-# no id at all (the SSE spec's reconnection sends none), so the stream starts over.
+# Header and path values as the routes check them (api/deps.py `check_headers`, `JOB_ID`;
+# api/job_routes.py `_resume_after`): anything else is a 400, or a 404 for a job id. An
+# empty Last-Event-ID is no id at all (the SSE spec's reconnection sends none), so the
+# stream starts over.
 PARAMETERS = {
     "idempotency-key": {"type": "string", "pattern": "^[!-~]{1,255}$"},
     "last-event-id": {"type": "string", "pattern": "^(-1|[0-9]{1,18})?$"},
@@ -369,7 +369,7 @@ DELIVERY: Json = {"type": "object", "required": ["id", "url", "status", "attempt
 
 
 def _jobs_operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],
-                    **extra: Any) -> Json:
+                    **extra: object) -> Json:
     responses = ok | {str(status): _error(status) for status in errors}
     return {"operationId": operation_id, "summary": summary, "security": BEARER,
             "responses": responses, **extra}

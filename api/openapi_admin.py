@@ -11,8 +11,6 @@ revoking it and to adding a key; a created key's id to rotating and revoking it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from api.admin import NewKey, NewTenant, Rotation, TenantSettings
 from api.openapi_parts import (
     ADMIN,
@@ -126,7 +124,7 @@ def operations() -> dict[tuple[str, str], Json]:
 
 
 def _operation(operation_id: str, summary: str, ok: Json, body: str | None = None,
-               errors: tuple[int, ...] = (400, 401, 404, 413, 422, 503), **extra: Any) -> Json:
+               errors: tuple[int, ...] = (400, 401, 404, 413, 422, 503), **extra: object) -> Json:
     statuses = errors if body is not None else tuple(s for s in errors if s not in (413, 422))
     responses = ok | {str(status): error_response(ERRORS[status], status, "Error")
                       for status in statuses}

@@ -20,13 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from api.files import MAX_LIST_FILES, PURPOSES
-from api.openai_api import (
-    CHAT_REFUSED,
-    COMPLETION_REFUSED,
-    ChatRequest,
-    CompletionRequest,
-    model_ids,
-)
+from api.openai_api import model_ids
+from api.openai_models import CHAT_REFUSED, COMPLETION_REFUSED, ChatRequest, CompletionRequest
 from api.openapi_parts import (
     BEARER,
     Json,
@@ -368,7 +363,7 @@ def _json_body(schema: str, example: Json | None = None) -> Json:
 
 
 def _operation(operation_id: str, summary: str, ok: Json, errors: tuple[int, ...],
-               body: Json | None = None, **extra: Any) -> Json:
+               body: Json | None = None, **extra: object) -> Json:
     responses = ok | {str(status): error_response(ERRORS[status], status, "OpenAIError")
                       for status in errors}
     found: Json = {"operationId": operation_id, "summary": summary, "security": BEARER,

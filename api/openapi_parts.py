@@ -32,7 +32,7 @@ def ref(name: str) -> Json:
     return {"$ref": REF.format(model=name)}
 
 
-def schema_of(kind: Any, defs: Json) -> Json:
+def schema_of(kind: type, defs: Json) -> Json:
     """The JSON schema of a pydantic model or dataclass, its nested types moved into
     `defs` (the document's components)."""
     schema = TypeAdapter(kind).json_schema(ref_template=REF)
@@ -40,7 +40,7 @@ def schema_of(kind: Any, defs: Json) -> Json:
     return schema
 
 
-def refuse_nul(node: Any) -> None:
+def refuse_nul(node: object) -> None:
     """Every free-text string schema under `node` gets the NO_NUL pattern."""
     if isinstance(node, list):
         for item in node:

@@ -8,17 +8,25 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Required, TypedDict
 
 from api.errors import unavailable
-from api.schemas import JobRequest
-from api.tokenizer import load_tokenizer
+from api.schemas import JobRequest, Message
+from api.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("tidegate.api")
 
 TOKENIZER_WAIT_S = 30.0  # a submit waits this long for the tokenizer, then hears a 503
 LOAD_POLL_S = 0.05
+
+
+class Readiness(TypedDict, total=False):
+    """One check of GET /readyz: ok, and why not."""
+
+    ok: Required[bool]
+    error: str
 
 
 class PromptRenderer:
@@ -29,7 +37,7 @@ class PromptRenderer:
 
     def __init__(self, model_path: Path | str) -> None:
         self._loaded = threading.Event()
-        self._tokenizer: Any = None
+        self._tokenizer: Tokenizer | None = None
         self._error = ""
         threading.Thread(target=self._load, args=(str(model_path),), name="tokenizer-load",
                          daemon=True).start()
@@ -43,10 +51,13 @@ class PromptRenderer:
         finally:
             self._loaded.set()
 
-    def readiness(self) -> dict[str, Any]:
+    def readiness(self) -> Readiness:
         if not self._loaded.is_set():
             return {"ok": False, "error": "loading"}
-        return {"ok": not self._error, **({"error": self._error} if self._error else {})}
+        check: Readiness = {"ok": not self._error}
+        if self._error:
+            check["error"] = self._error
+        return check
 
     async def loaded(self) -> None:
         """Waits for the tokenizer without holding a thread: a submit waiting in one of the
@@ -58,11 +69,12 @@ class PromptRenderer:
         self.tokenizer  # noqa: B018 - raises when not loaded
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         if not self._loaded.wait(TOKENIZER_WAIT_S):
             raise unavailable("the API is still loading the model's tokenizer")
         if self._error:
             raise unavailable(self._error, retry_after_s=30)
+        assert self._tokenizer is not None  # loaded, without an error
         return self._tokenizer
 
     def render(self, req: JobRequest) -> str:
@@ -77,7 +89,7 @@ class PromptRenderer:
                 messages, tokenize=False, add_generation_prompt=True, **tools))
         return "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
 
-    def render_prefix(self, system: list[Any]) -> str:
+    def render_prefix(self, system: Sequence[Message]) -> str:
         """The rendered system turn: the prefix every request of such a chat starts with."""
         messages = [m.model_dump() for m in system]
         if getattr(self.tokenizer, "chat_template", None):

@@ -36,6 +36,14 @@ MAX_N = 16  # choices one request may ask (`n`): each is a sequence in the engin
 MAX_LOGPROBS = 20  # alternatives per token: vLLM's default max_logprobs, OpenAI's limit
 
 
+def finite(v: float | None) -> float | None:
+    """A float field's validator (here and api/openai_models.py): JSON as Python reads it
+    takes `NaN` and `Infinity`, which no sampling parameter or deadline can be."""
+    if v is not None and not math.isfinite(v):
+        raise ValueError("must be a finite number")
+    return v
+
+
 class Message(BaseModel):
     """A turn. An assistant turn may hold tool calls and no text (content null); a `tool`
     turn answers one of them by its id. The chat template renders both
@@ -105,13 +113,8 @@ class JobRequest(BaseModel):
             raise ValueError("each stop string holds 1 to 256 characters")
         return v
 
-    @field_validator("temperature", "top_p", "deadline_s", "presence_penalty",
-                     "frequency_penalty", "repetition_penalty", "min_p")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError("must be a finite number")
-        return v
+    _finite = field_validator("temperature", "top_p", "deadline_s", "presence_penalty",
+                              "frequency_penalty", "repetition_penalty", "min_p")(finite)
 
     @field_validator("logit_bias")
     @classmethod

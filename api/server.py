@@ -29,11 +29,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import FrameType
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
 
 from tidegate.logs import QuietRefusals
 
@@ -119,8 +122,9 @@ class JoinedWrites:
 class OneWriteProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over JoinedWrites, its access lines left to AccessLog."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        super().__init__(config, server_state, app_state, _loop)
         self.access_log = False  # uvicorn's own test is whether the logger has handlers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -208,7 +212,7 @@ def run_processes(argv_of: Callable[[int], list[str]], socks: list[socket.socket
                                  process_group=0)  # a terminal's Ctrl-C reaches this one only
         children[child.pid] = (child, sock, time.monotonic())
 
-    def stop(signum: int, _frame: Any) -> None:
+    def stop(signum: int, _frame: FrameType | None) -> None:
         if not stopping:
             stopping.append(0)
         _signal_all(children, signal.SIGTERM)
@@ -236,7 +240,7 @@ def run_processes(argv_of: Callable[[int], list[str]], socks: list[socket.socket
     return stopping[0] if stopping else 0
 
 
-def _signal_all(children: dict[int, Any], sig: int) -> None:
+def _signal_all(children: Mapping[int, object], sig: int) -> None:
     for pid in children:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)

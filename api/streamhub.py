@@ -22,10 +22,13 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import cast
 
 from redis import asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.connection import AbstractConnection, Connection
 from redis.exceptions import AskError, ClusterDownError, MovedError, TryAgainError
 
 from tidegate import keys, redisconn
@@ -39,11 +42,20 @@ NODE_FAILURES = (aioredis.ConnectionError, aioredis.TimeoutError, MovedError, As
                  ClusterDownError, TryAgainError)
 WAKE_TTL_S = 60  # the wake stream outlives no API process by long
 
+# A stream entry as redis-py hands it over (XREAD, XREVRANGE): its id, and its fields
+# (a job's: `e` the event's JSON as the worker wrote it, `k` its kind).
+Entry = tuple[bytes, dict[bytes, bytes]]
+# An entry as XREAD's reply holds it: [id, [field, value, ...]] (unpacked as a pair).
+RawEntry = tuple[bytes, list[bytes]]
+# XREAD's reply: [[key, [entry, ...]], ...] (RESP2), {key: [entry, ...]} (RESP3), or nil
+# when the block ran out.
+XReadReply = list[tuple[bytes, list[RawEntry]]] | dict[bytes, list[RawEntry]] | None
+
 
 @dataclass(eq=False)  # waiters are told apart by identity
 class _Waiter:
     cursor: tuple[int, int]  # the last entry id it has
-    future: asyncio.Future[list[Any]] = field(repr=False)
+    future: asyncio.Future[list[Entry]] = field(repr=False)
     key_arg: bytes = field(repr=False)  # its stream's key and its cursor, as XREAD packs them
     cursor_arg: bytes = field(repr=False)
 
@@ -64,7 +76,7 @@ def _cursor_of(waiter: _Waiter) -> tuple[int, int]:
     return waiter.cursor
 
 
-def _streams(reply: Any) -> Any:
+def _streams(reply: XReadReply) -> Iterable[tuple[bytes, list[RawEntry]]]:
     """(key, entries) of each stream in an XREAD reply: a list (RESP2), a map (RESP3), or
     nil when the block ran out."""
     if isinstance(reply, dict):
@@ -72,20 +84,21 @@ def _streams(reply: Any) -> Any:
     return reply or ()
 
 
-def _entry(raw: Any) -> tuple[Any, dict[Any, Any]]:
+def _entry(raw: RawEntry) -> Entry:
     """(id, fields) from an entry as Redis sends it: [id, [field, value, ...]]."""
     entry_id, flat = raw
     pairs = iter(flat)
     return entry_id, dict(zip(pairs, pairs, strict=True))
 
 
-def _time_out(future: asyncio.Future[list[Any]]) -> None:
+def _time_out(future: asyncio.Future[list[Entry]]) -> None:
     if not future.done():
         future.set_result([])  # none came in time; the entries stay in Redis
 
 
 class StreamHub:
-    def __init__(self, redis: Any, namespace: str, count: int = 256,
+    def __init__(self, redis: aioredis.Redis | aioredis.RedisCluster, namespace: str,
+                 count: int = 256,
                  block_ms: int = BLOCK_MS, wake_key: str = "") -> None:
         self._redis = redis
         self._count = count
@@ -103,7 +116,7 @@ class StreamHub:
     def waiting(self) -> int:
         return sum(len(ws) for ws in self._waiters.values())
 
-    async def read(self, key: str, cursor: str | bytes, wait_s: float) -> list[Any]:
+    async def read(self, key: str, cursor: str | bytes, wait_s: float) -> list[Entry]:
         """The entries of stream `key` after `cursor` (at most `count`), waiting up to
         `wait_s` for one; [] if none came. Raises the XREAD's RedisError."""
         loop = asyncio.get_running_loop()
@@ -139,11 +152,12 @@ class StreamHub:
         pipe.expire(self._wake_key, WAKE_TTL_S)
         await pipe.execute()
 
-    async def _acquire(self) -> Any:
-        return await self._redis.connection_pool.get_connection()
+    async def _acquire(self) -> AbstractConnection:
+        pool = cast(aioredis.Redis, self._redis).connection_pool  # a cluster's: _NodeHub
+        return await pool.get_connection()
 
-    async def _release(self, conn: Any) -> None:
-        await self._redis.connection_pool.release(conn)
+    async def _release(self, conn: AbstractConnection) -> None:
+        await cast(aioredis.Redis, self._redis).connection_pool.release(conn)
 
     async def _run(self) -> None:
         # One pooled connection for as long as streams wait: the XREAD holds one nearly
@@ -162,7 +176,7 @@ class StreamHub:
         finally:
             await self._release(conn)
 
-    async def _serve(self, conn: Any) -> None:
+    async def _serve(self, conn: AbstractConnection) -> None:
         """XREADs on `conn` while streams wait."""
         while self._waiters:
             reply = await self._xread(conn)
@@ -176,7 +190,7 @@ class StreamHub:
             # next XREAD has them without a wake.
             await asyncio.sleep(0)
 
-    async def _xread(self, conn: Any) -> Any:
+    async def _xread(self, conn: AbstractConnection) -> XReadReply:
         command = self._command()
         self._blocked, self._woken = True, False
         try:
@@ -187,9 +201,10 @@ class StreamHub:
             self._blocked = False
 
     @staticmethod
-    async def _send(conn: Any, command: bytes) -> Any:
+    async def _send(conn: AbstractConnection, command: bytes) -> XReadReply:
         await conn.send_packed_command(command)
-        return await conn.read_response()
+        reply: XReadReply = await conn.read_response()
+        return reply
 
     def _command(self) -> bytes:
         """XREAD COUNT BLOCK STREAMS <keys> <cursors>, each stream from its furthest-behind
@@ -202,7 +217,7 @@ class StreamHub:
                          *[w.key_arg for w in firsts], _arg(self._wake_key),
                          *[w.cursor_arg for w in firsts], _arg(self._wake_cursor)))
 
-    def _hand_out(self, key: str, raw_entries: list[Any]) -> None:
+    def _hand_out(self, key: str, raw_entries: list[RawEntry]) -> None:
         """The reply's entries of `key` to each of its waiters, those after its cursor. A
         waiter further back than the XREAD asked (it came while the XREAD was out) would
         miss the entries between: it waits for the next XREAD, which asks from it."""
@@ -245,7 +260,7 @@ class TaggedStreamHub:
     and a job's keys carry one of 24 tags (tidegate/keys.py), so the streams of a tag share
     a slot: at 256 streams an XREAD still serves about ten of them."""
 
-    def __init__(self, cluster: Any, namespace: str, count: int = 256,
+    def __init__(self, cluster: aioredis.RedisCluster, namespace: str, count: int = 256,
                  block_ms: int = BLOCK_MS) -> None:
         self._cluster, self._ns = cluster, namespace
         self._count, self._block_ms = count, block_ms
@@ -255,7 +270,7 @@ class TaggedStreamHub:
     def waiting(self) -> int:
         return sum(hub.waiting() for hub in self._hubs.values())
 
-    async def read(self, key: str, cursor: str | bytes, wait_s: float) -> list[Any]:
+    async def read(self, key: str, cursor: str | bytes, wait_s: float) -> list[Entry]:
         """StreamHub.read, by the hub of the stream's tag."""
         tag = keys.tag_of(key)
         hub = self._hubs.get(tag)
@@ -277,7 +292,7 @@ class _NodeHub(StreamHub):
     timers answer [] meanwhile, and they come back, as a Sentinel client's retries do."""
 
     _stale = False
-    _node: Any = None
+    _node: ClusterNode | None = None
 
     _answered_at = 0.0  # the last XREAD's answer (a block's end included)
 
@@ -297,7 +312,7 @@ class _NodeHub(StreamHub):
         finally:
             self._task = None
 
-    async def _xread(self, conn: Any) -> Any:
+    async def _xread(self, conn: AbstractConnection) -> XReadReply:
         reply = await super()._xread(conn)
         self._answered_at = time.monotonic()
         return reply
@@ -307,8 +322,8 @@ class _NodeHub(StreamHub):
         with contextlib.suppress(aioredis.RedisError):
             await super()._wake()
 
-    async def _acquire(self) -> Any:
-        cluster = self._redis
+    async def _acquire(self) -> AbstractConnection:
+        cluster = cast(aioredis.RedisCluster, self._redis)
         await cluster.initialize()
         if self._stale:
             await cluster.nodes_manager.initialize()  # the layout after a failover
@@ -320,14 +335,16 @@ class _NodeHub(StreamHub):
         await self._node.disconnect_if_needed(conn)
         return conn
 
-    async def _release(self, conn: Any) -> None:
+    async def _release(self, conn: AbstractConnection) -> None:
         if not conn.is_connected:  # a failed node's: not kept for the next
             await conn.disconnect()
-        self._node.release(conn)
+        assert self._node is not None  # the node `_acquire` took it from
+        self._node.release(cast(Connection, conn))  # a node's: what acquire_connection gave
 
 
-def stream_hub(redis: Any, namespace: str) -> StreamHub | TaggedStreamHub:
+def stream_hub(redis: aioredis.Redis | aioredis.RedisCluster,
+               namespace: str) -> StreamHub | TaggedStreamHub:
     """The hub for the streams' Redis: one XREAD for all, or one per tag on a cluster."""
     if redisconn.is_cluster_client(redis):
-        return TaggedStreamHub(redis, namespace)
+        return TaggedStreamHub(cast(aioredis.RedisCluster, redis), namespace)
     return StreamHub(redis, namespace)

@@ -1,5 +1,6 @@
-"""Submitting a job, as plain code: api/app.py reads the request and writes the response;
-everything between is here, with no HTTP in it.
+"""Submitting a job, as plain code: the routes (api/job_routes.py, api/openai_routes.py,
+the batch driver) read the request and write the response; everything between is here,
+with no HTTP in it.
 
 Checks come before effects, so a refused request changed nothing:
 
@@ -27,10 +28,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import redis
 from celery import Celery
+from redis.client import Pipeline
 
 from api import limits, openai_tools
 from api.errors import ApiError, bad_request, malformed, unavailable
@@ -55,11 +57,11 @@ if TYPE_CHECKING:  # api.auth reads the HTTP request: only its Tenant record is 
 log = logging.getLogger("tidegate.api")
 
 class SubmitDeps(Protocol):
-    """What a submit uses of the API's shared dependencies (api.app.Deps)."""
+    """What a submit uses of the API's shared dependencies (api.deps.Deps)."""
 
     settings: Settings
     store: Store
-    sync_redis: Any  # redis.Redis: blocking, called from the submit threads
+    sync_redis: redis.Redis  # blocking, called from the submit threads
     fair_push: FairPush  # on sync_redis (the broker, where `writes_to` it)
     celery: Celery
     prompts: PromptRenderer
@@ -350,7 +352,7 @@ def _push(deps: SubmitDeps, checked: Checked, queue: str, priority: int,
         raise pushed
 
 
-def _sample_traffic(deps: SubmitDeps, pipe: Any, lane: Lane, system: str) -> None:
+def _sample_traffic(deps: SubmitDeps, pipe: Pipeline, lane: Lane, system: str) -> None:
     """Adds to `pipe` the lane's arrivals per minute (the scheduler moves them into the
     store for its forecast), and on a lane that shares its prefix cache, the system
     prompts by use (warmed into activated workers; tidegate/hot.py)."""

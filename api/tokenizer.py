@@ -16,13 +16,28 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from tidegate.jsontypes import JSONObject
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                   "cls_token", "mask_token")
 
 
-def load_tokenizer(path: str) -> Any:
+class Tokenizer(Protocol):
+    """What the API uses of a tokenizer: FastTokenizer's, or transformers' own."""
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[JSONObject], tokenize: bool = False,
+                            add_generation_prompt: bool = False,
+                            tools: list[JSONObject] | None = None) -> str: ...
+
+
+def load_tokenizer(path: str) -> Tokenizer:
     """A tokenizer with `chat_template`, `apply_chat_template(messages, tokenize=False,
     add_generation_prompt=...)` and `encode(text, add_special_tokens=False)`."""
     folder = Path(path)
@@ -30,7 +45,8 @@ def load_tokenizer(path: str) -> Any:
         return FastTokenizer(folder)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    # transformers' own tokenizer: the same methods, with more arguments than these.
+    return cast(Tokenizer, AutoTokenizer.from_pretrained(path))
 
 
 class FastTokenizer:
@@ -40,18 +56,19 @@ class FastTokenizer:
         self._tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
         config = _read_json(folder / "tokenizer_config.json")
         self.chat_template: str | None = _chat_template(folder, config)
-        self._special = {name: _content(config.get(name)) for name in SPECIAL_TOKENS}
+        self._special: dict[str, object] = {name: _content(config.get(name))
+                                            for name in SPECIAL_TOKENS}
         self._special["additional_special_tokens"] = [
             _content(t) for t in config.get("additional_special_tokens") or []]
-        self._template: Any = None
+        self._template: Template | None = None
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool = False,
+    def apply_chat_template(self, messages: list[JSONObject], tokenize: bool = False,
                             add_generation_prompt: bool = False,
-                            tools: list[dict[str, Any]] | None = None) -> str:
+                            tools: list[JSONObject] | None = None) -> str:
         if tokenize:
             raise ValueError("FastTokenizer renders text only (tokenize=False)")
         if self._template is None:
@@ -81,12 +98,12 @@ def _chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _content(token: Any) -> Any:
+def _content(token: object) -> object:
     """A special token as the config holds it: a string, or an AddedToken's dict."""
     return token.get("content") if isinstance(token, dict) else token
 
 
-def _compile(source: str) -> Any:
+def _compile(source: str) -> Template:
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -94,8 +111,8 @@ def _compile(source: str) -> Any:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                           sort_keys=sort_keys)
 

@@ -27,6 +27,7 @@ from api.deps import Deps, check_headers
 from api.errors import malformed, not_found
 from store.tenants import Tenants
 from store.usage import COUNTED, Usage, UsageRecord
+from tidegate.jsontypes import JSONObject
 
 PARAMS = ("start_date", "end_date", "lane", "format")
 ADMIN_PARAMS = (*PARAMS, "tenant")
@@ -108,7 +109,7 @@ def _date(field: str, raw: str | None, default: date) -> date:
         raise malformed(field, f"{field}: not an ISO date (YYYY-MM-DD)") from None
 
 
-def row(record: UsageRecord) -> dict[str, Any]:
+def row(record: UsageRecord) -> JSONObject:
     values = {name: getattr(record, name) for name in COUNTED}
     return {"date": record.day.isoformat(), "tenant": record.tenant, "lane": record.lane,
             **values, "total_tokens": record.total_tokens}
@@ -124,6 +125,6 @@ def answer(query: UsageQuery, records: list[UsageRecord]) -> Response:
         name = f"usage-{query.start}-{query.end}.csv"
         return Response(out.getvalue(), media_type="text/csv; charset=utf-8",
                         headers={"Content-Disposition": f'attachment; filename="{name}"'})
-    totals = {name: sum(r[name] for r in rows) for name in (*COUNTED, "total_tokens")}
+    totals = {name: sum(getattr(r, name) for r in records) for name in (*COUNTED, "total_tokens")}
     return JSONResponse({"object": "list", "start_date": query.start.isoformat(),
                          "end_date": query.end.isoformat(), "data": rows, "total": totals})

@@ -17,6 +17,7 @@ from api.errors import not_found, unavailable
 from store.webhooks import DeliveryRecord, Webhooks, shown
 from tidegate import sealing
 from tidegate.records import DeliveryStatus
+from tidegate.jsontypes import JSONObject
 
 log = logging.getLogger("tidegate.api")
 
@@ -54,7 +55,7 @@ def install(app: FastAPI, deps: Deps) -> None:
         return JSONResponse({"secret": secret, "previous_valid_for_s": overlap.total_seconds()})
 
 
-def delivery_json(d: DeliveryRecord) -> dict[str, Any]:
+def delivery_json(d: DeliveryRecord) -> JSONObject:
     """A delivery as its tenant sees it: each attempt's status code (from a vetted public
     receiver) and outcome class, never an address or an exception's text."""
     def at(value: datetime | None) -> str | None:

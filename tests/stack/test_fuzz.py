@@ -2,7 +2,7 @@
 route, the OpenAI-compatible ones (chat and text completions, models, files, batches) and
 the admin API included. No request that a client can make may get a 5xx, and every error
 carries its path's JSON error shape: OpenAI's `{"error": {"message", "type", "param",
-"code"}}` on the OpenAI paths (api/openai_api.py `error_body`), the API's own
+"code"}}` on the OpenAI paths (api/openai_answers.py `error_body`), the API's own
 `{"error": {"type", "field", "message"}}` elsewhere (api/errors.py).
 
 One schemathesis run, as `schemathesis run` would do it, on a small budget (a few examples

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from api.admission import Admission, RecentLanes
-from api.app import _sse_frames
 from api.deps import stream_rank
+from api.sse import job_frames
 from tidegate.events import Event
 from tidegate.lanes import LanesConfigError, load_lanes
 
@@ -89,7 +89,7 @@ def test_recent_lanes_keeps_the_last_jobs_only() -> None:
 
 
 def test_a_job_is_fresh_for_its_own_tenant_only_and_only_for_a_while() -> None:
-    """What lets a stream opened right after its submit skip the row read (api/app.py)."""
+    """What lets a stream opened right after its submit skip the row read (api/job_routes.py)."""
     now = [100.0]
     recent = RecentLanes(size=4, clock=lambda: now[0])
     recent.add("a", "chat", tenant_id=7)
@@ -112,7 +112,7 @@ def test_sse_frames_carry_the_stored_json_and_stop_at_the_terminal_event() -> No
     done = Event(job_id="j", seq=2, kind="done", data={"finish_reason": "length"})
     started = Event(job_id="j", seq=0, kind="started")
     # The first entry has no kind field, as an older worker wrote it.
-    chunk, ended = _sse_frames([_entry(started, with_kind=False), _entry(token),
+    chunk, ended = job_frames([_entry(started, with_kind=False), _entry(token),
                                 _entry(done), _entry(token)])
     frames = chunk.decode().split("\n\n")[:-1]
     assert ended and len(frames) == 3
@@ -124,7 +124,7 @@ def test_sse_frames_carry_the_stored_json_and_stop_at_the_terminal_event() -> No
 
 def test_sse_frames_without_a_terminal_event_say_so() -> None:
     token = Event(job_id="j", seq=4, kind="token", text="a", token_ids=[1])
-    chunk, ended = _sse_frames([_entry(token)])
+    chunk, ended = job_frames([_entry(token)])
     assert not ended and chunk.startswith(b"id: 4\nevent: token\n")
 
 

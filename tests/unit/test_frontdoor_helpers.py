@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import threading
 
-from api.app import _sse_frames
+from api.sse import job_frames
 from bench.frontdoor import (
     CLOCK_TICKS,
     ENGINE_THREAD,
@@ -57,7 +57,7 @@ def test_frames_written_by_the_api_parse_back_to_ids_and_kinds() -> None:
     entries = [(keys.stream_id(e.seq).encode(),
                 {b"e": e.to_json().encode(), b"k": e.kind.encode(), b"t": b"1.5"})
                for e in events]
-    body, ended = _sse_frames(entries)
+    body, ended = job_frames(entries)
     assert ended
     # Split anywhere: a frame cut by the chunk boundary waits for its rest.
     frames, rest = split_frames(body[:-5])

@@ -3,7 +3,7 @@ Answers are typed (tidegate_client.models); it depends on httpx and pydantic onl
 
 `stream` resumes after a dropped connection from the last event it handed out
 (`Last-Event-ID`), so the caller never loses or repeats a token. The API ends a stream
-with an `error` event of its own (no id; api/app.py `_sse`) when it will not go on:
+with an `error` event of its own (no id; api/job_sse.py `job_sse`) when it will not go on:
 `reconnect` and `unavailable` reopen it, any other code raises StreamError.
 """
 
