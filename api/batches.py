@@ -31,8 +31,8 @@ from api.openai_models import bad
 from api.schemas import check_text
 from store import utcnow
 from store.batches import Batches, BatchRecord
-from tidegate.records import BatchStatus
 from tidegate.jsontypes import JSONObject
+from tidegate.records import BatchStatus
 
 log = logging.getLogger("tidegate.api")
 

@@ -16,8 +16,8 @@ from api.deps import Deps, check_headers, check_job_id
 from api.errors import not_found, unavailable
 from store.webhooks import DeliveryRecord, Webhooks, shown
 from tidegate import sealing
-from tidegate.records import DeliveryStatus
 from tidegate.jsontypes import JSONObject
+from tidegate.records import DeliveryStatus
 
 log = logging.getLogger("tidegate.api")
 

@@ -72,7 +72,8 @@ def _deps(reads: list[list[Entry]], row: JobRecord | None, last: list[Entry] | N
           fails: bool = False) -> Any:
     settings = Settings().model_copy(update={"sse_keepalive_s": 0.01,
                                              "sse_max_lifetime_s": 5.0})
-    store = types.SimpleNamespace(get_job=lambda job_id, tenant_id=None: row)
+    store = types.SimpleNamespace(jobs=types.SimpleNamespace(
+        get_job=lambda job_id, tenant_id=None: row))
     return types.SimpleNamespace(settings=settings, stream_hub=_Hub(reads), store=store,
                                  stream_redis=_Redis(last or [], fails))
 
