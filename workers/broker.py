@@ -223,7 +223,7 @@ def install() -> None:
     kombu_redis.Channel.QoS = BatchedAckQoS
     setattr(kombu_redis, "dumps", fast_dumps)  # noqa: B010 (names the module reads)
     setattr(kombu_redis, "loads", fast_loads)  # noqa: B010
-    # Registered under its own name, for the event dispatcher alone (celery_hooks.py); its
+    # Registered under its own name, for the event dispatcher alone (consumer.py); its
     # content type is JSON's, whose decoder is then fast_loads for every message read.
     serialization.register(EVENT_SERIALIZER, fast_dumps, fast_loads,
                            content_type="application/json", content_encoding="utf-8")

@@ -1,5 +1,5 @@
 """Fault injection for tests and drills, armed by control commands
-(workers/celery_hooks.py): store statements that fail, and a job held mid-generation.
+(workers/fault_commands.py): store statements that fail, and a job held mid-generation.
 Unarmed, each costs an attribute test or two on its path."""
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ APPEND_MANY: a Redis command per event was twice the client CPU of one for them 
 A job's task thread wakes at its first token, to write it to the store, and at its end.
 
 Whatever is off that path goes back to the job's task thread, which then publishes the
-rest of its events one at a time as before (workers/runner.py), with its retries, its
+rest of its events one at a time as before (workers/job_stream.py), with its retries, its
 write-back of a stream Redis lost, and its LeaseLost: an append the lease refused, a
 stream gone, a Redis error, a script Redis forgot. The streamer never retries and never
 ends a job.
 
 The streamer also looks for cancels: every CANCEL_CHECK_S, one EXISTS over the cancel
-keys of all its jobs (a cancel's pub/sub broadcast is at most once: workers/runner.py).
+keys of all its jobs (a cancel's pub/sub broadcast is at most once: workers/job_stream.py).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class Streamer:
     def open(self, job_id: str, progress: Progress, cancel_key: str) -> Feed:
         """The job's feed. A `started` event the task thread left in `progress.head` goes
         out in the streamer's next batch (else the task thread publishes it before any
-        event of its own, workers/runner.py `_emit`)."""
+        event of its own, workers/job_stream.py `emit`)."""
         feed = Feed(self, job_id, progress, cancel_key, head=progress.head)
         with self._lock:
             self._feeds[job_id] = feed
@@ -276,7 +276,7 @@ class Streamer:
         for feeds in watch_groups if watched else ():
             pipe.exists(*[feed.cancel_key for feed in feeds])
         # A job's run ends with this batch: its lease renewed in the same round trip, so
-        # the job's end (workers/runner.py `_finish`) need not renew it in one of its own.
+        # the job's end (workers/endings.py `_finish`) need not renew it in one of its own.
         ending = [take for take in takes if take.ended and take.end is None]
         for take in ending:
             take.feed.progress.lease.renew_in(pipe)
@@ -330,7 +330,7 @@ class Streamer:
 
     def _advance(self, take: _Take) -> None:
         """The job's progress after its event is out, as the task thread's own publishing
-        keeps it (workers/runner.py `_on_delta`)."""
+        keeps it (workers/job_stream.py `on_delta`)."""
         feed, delta = take.feed, take.delta
         assert delta is not None
         progress = feed.progress

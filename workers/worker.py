@@ -5,7 +5,8 @@ State is derived, not stored, where Celery already knows the truth: a ready work
 `active` while it consumes its pool queue (the scheduler's `add_consumer`), `draining`
 once it stopped consuming it but still runs jobs, `standby` when idle on its direct queue
 alone. Only the phase (`starting`, `ready`, `restarting`, `failed`) and a Celery shutdown
-are set here. Celery reaches this object through `current()`, from workers/celery_hooks.py.
+are set here. Celery reaches this object through `current()`, from the task, the bootstep,
+the signals and the control commands (workers/celery_setup.py registers them).
 
 A dead engine (its process killed or crashed) fails the worker: its heartbeat says
 `failed` at once, so routers and the scheduler pass it by; it stops consuming; the task of
@@ -32,12 +33,14 @@ from typing import Any, NoReturn
 import redis
 
 from store import Store
+from tasks.payloads import GeneratePayload
 from tasks.recovery import restore_orphans
 from tidegate import gcfreeze, keys, locks, redisconn
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
-from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
+from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, Outcome, WorkerState
 from tidegate.settings import Settings
+from workers.context import WorkerContext
 from workers.engine import Engine, EngineDead
 from workers.faults import StoreFault, TokenHold
 from workers.host import EngineHost
@@ -45,7 +48,7 @@ from workers.lending import Lender
 from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
 from workers.retry import Retrier
-from workers.runner import ENGINE_DEAD, WorkerContext, run_job
+from workers.runner import run_job
 from workers.streamer import Streamer
 
 log = logging.getLogger("tidegate.worker")
@@ -89,7 +92,7 @@ class Worker:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # jobs in flight went down
         self._in_flight = 0
-        self._outcomes: dict[str, int] = {}
+        self._outcomes: dict[Outcome, int] = {}
         self._never = threading.Event()  # what a task left to others waits on: forever
         self._left: set[str] = set()  # ids of the jobs left to other workers
         self.lender: Lender | None = None  # a lending lane's: pulls other lanes' jobs
@@ -150,32 +153,32 @@ class Worker:
 
     # -- jobs ------------------------------------------------------------------------
 
-    def run(self, body: dict[str, Any]) -> str:
+    def run(self, payload: GeneratePayload) -> Outcome:
         """One generate task; returns its outcome. Never returns once the engine died."""
         ctx = self.ctx
         if ctx is None:
             raise RuntimeError("the engine bootstep has not run: start workers with "
                                "`tidegate worker`")
-        job_id = str(body.get("job_id"))
+        job_id = payload.job_id
         if self.phase is Phase.FAILED:  # taken before Celery stopped consuming: not run
             with self._lock:
                 self._left.add(job_id)
             self._leave_to_others()
-        outcome = "error"
+        outcome = Outcome.ERROR
         with self._lock:
             self._in_flight += 1
         if self.lender is not None:  # counted in flight: no longer a coming borrowed job
             self.lender.started(job_id)
         try:
-            outcome = run_job(ctx, body)
+            outcome = run_job(ctx, payload)
         finally:
             with self._changed:  # left to others before the retiring thread looks
                 self._in_flight -= 1
                 self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
-                if outcome == ENGINE_DEAD:
+                if outcome is Outcome.ENGINE_DEAD:
                     self._left.add(job_id)
                 self._changed.notify_all()
-        if outcome == ENGINE_DEAD:
+        if outcome is Outcome.ENGINE_DEAD:
             self.engine_died()
             self._leave_to_others()
         return outcome
@@ -245,7 +248,7 @@ class Worker:
     def counts(self) -> tuple[int, dict[str, int]]:
         """Jobs in flight now, and deliveries so far by outcome."""
         with self._lock:
-            return self._in_flight, dict(self._outcomes)
+            return self._in_flight, {k.value: n for k, n in self._outcomes.items()}
 
     # -- state -----------------------------------------------------------------------
 
