@@ -47,7 +47,7 @@ from workers.host import EngineHost
 from workers.lending import Lender
 from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
-from workers.retry import Retrier
+from workers.retry import Backoff, Retrier
 from workers.runner import run_job
 from workers.streamer import Streamer
 
@@ -385,10 +385,12 @@ class CancelListener(threading.Thread):
         self.r, self.ns, self.host = client, namespace, host
 
     def run(self) -> None:
+        backoff = Backoff()
         while True:  # resubscribe after a dropped connection
             try:
                 pubsub = self.r.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(keys.cancel_channel(self.ns))
+                backoff.reset()
                 while True:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
@@ -397,8 +399,12 @@ class CancelListener(threading.Thread):
                                  extra={"job_id": job_id})
                         self.host.cancel(job_id)
             except redis.RedisError as exc:
-                log.warning("cancel listener lost Redis (%s); resubscribing", exc)
-                time.sleep(1)
+                wait_s = backoff.next_s()
+                log.warning("cancel listener lost Redis (%s); resubscribing in %.1f s", exc,
+                            wait_s)
+                # Cancels missed meanwhile are not lost: each job's task thread and the
+                # streamer poll its cancel key too (workers/job_stream.py).
+                time.sleep(wait_s)
 
 
 _current: Worker | None = None
