@@ -3,8 +3,6 @@ the consumer takes any task, and stops it with the worker."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from celery import Celery, bootsteps
 from celery.backends.base import DisabledBackend
 from celery.worker import WorkController
@@ -65,7 +63,7 @@ class EngineStep(bootsteps.StartStopStep):
 
     def __init__(self, worker: WorkController, tidegate_lane: str = "chat",
                  tidegate_pool: str = "", tidegate_engine: str = "vllm",
-                 tidegate_metrics_port: str = "", **kwargs: Any) -> None:
+                 tidegate_metrics_port: str = "", **kwargs: object) -> None:
         super().__init__(worker, **kwargs)  # kwargs: Celery's own step options
         self.lane, self.engine = tidegate_lane, tidegate_engine
         self.pool = tidegate_pool or tidegate_engine

@@ -4,7 +4,6 @@ thread acks, and a BRPOP woken when a queue is added."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from celery.events.dispatcher import EventDispatcher
 from celery.worker.consumer import Consumer
@@ -44,7 +43,7 @@ class EventBatchingConsumer(Consumer):
                 dispatcher.producer.serializer = broker.EVENT_SERIALIZER
         self._event_dispatcher = dispatcher
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # Celery's own arguments
+    def __init__(self, *args: object, **kwargs: object) -> None:  # Celery's own arguments
         super().__init__(*args, **kwargs)
         global _consumer_hub
         _consumer_hub = self.hub

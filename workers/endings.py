@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import time
 from datetime import UTC, datetime
-from typing import Any
 
 from store import FirstToken, JobRecord
 from tasks.payloads import GeneratePayload
@@ -42,7 +41,7 @@ def end_done(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
 
 
 def done_data(payload: GeneratePayload, job: JobRecord | None, finish_reason: str,
-               progress: Progress) -> dict[str, Any]:
+               progress: Progress) -> dict[str, object]:
     return {
         "finish_reason": finish_reason,
         "usage": {"prompt_tokens": payload.prompt_tokens,

@@ -64,8 +64,8 @@ class Lease:
         # which also takes back a lease that lapsed with no other holder.
         self._lock = RedisLock(client, key, ttl_s, token=new_token(worker))
         self.owner = self._lock.token
-        self._release = _script(client, RELEASE)
-        self._renew = _script(client, RENEW)
+        self._release = register_script(client, RELEASE)
+        self._renew = register_script(client, RENEW)
         self.released = False  # by this attempt, which is over
 
     def take(self) -> bool:
@@ -106,7 +106,7 @@ class Lease:
         pipe.execute_command("EVALSHA", self._release.sha, 1, self.key, self.owner)
 
 
-def _script(client: StreamsClient, text: str) -> Script:
+def register_script(client: StreamsClient, text: str) -> Script:
     """redis-py types register_script for its Redis alone; its RedisCluster has the same
     one (the script runs on the node of its keys' slot)."""
     return client.register_script(text)  # type: ignore[misc]

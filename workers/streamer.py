@@ -35,6 +35,7 @@ import redis
 
 from tidegate import keys, redisconn
 from tidegate.events import Event
+from tidegate.redisconn import StreamsClient
 from workers.engine import Delta
 from workers.host import merge, name_os_thread
 from workers.progress import Progress
@@ -114,7 +115,7 @@ def by_tag(items: list[T], key_of: Callable[[T], str]) -> list[list[T]]:
 
 
 class Streamer:
-    def __init__(self, client: Any, publisher: EventPublisher,
+    def __init__(self, client: StreamsClient, publisher: EventPublisher,
                  cancel_check_s: float = CANCEL_CHECK_S) -> None:
         self.r = client
         self._sharded = redisconn.is_cluster_client(client)
@@ -258,7 +259,7 @@ class Streamer:
             return [feed for feed in self._feeds.values() if feed.fast]
 
     def _send(self, takes: list[_Take], watched: list[Feed]
-              ) -> tuple[list[list[Any]], list[Feed]]:
+              ) -> tuple[list[list[object]], list[Feed]]:
         """One round trip: every take's appends in one script call, and one EXISTS over the
         cancel keys watched; (the answers of each take's events, head first; the feeds
         whose job was cancelled)."""
@@ -299,7 +300,7 @@ class Streamer:
                 self.publisher.load_append()
         return answers, cancelled
 
-    def _settle(self, take: _Take, answers: list[Any]) -> None:
+    def _settle(self, take: _Take, answers: list[object]) -> None:
         """Under the lock: the answers of the take's events applied to its job."""
         feed = take.feed
         if take.head is not None and self._appended(answers[0]):
@@ -321,7 +322,7 @@ class Streamer:
             self._feeds.pop(feed.job_id, None)
             feed.inbox.put((END, take.end))
 
-    def _appended(self, answer: Any) -> bool:
+    def _appended(self, answer: object) -> bool:
         if answer == 1:
             return True
         if isinstance(answer, redis.exceptions.NoScriptError):

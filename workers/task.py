@@ -3,8 +3,6 @@ that keeps prompts out of what `inspect` and Flower show."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from celery import Task
 from celery.exceptions import Reject
 from celery.worker.request import Request
@@ -30,7 +28,7 @@ class TextFreeRequest(Request):
     jobs waited: bench/fairness.py measured a waiting job's queue wait at 200-540 ms with
     a full engine where the next slot freed within ~40 ms."""
 
-    def info(self, safe: bool = False) -> dict[str, Any]:  # Celery's own shape
+    def info(self, safe: bool = False) -> dict[str, object]:  # Celery's own shape
         return dict(super().info(safe=True))
 
     def acknowledge(self) -> None:
@@ -42,7 +40,7 @@ class TextFreeRequest(Request):
         turn_consumer_loop()
 
 
-def generate(task: Task, body: dict[str, Any]) -> str:
+def generate(task: Task, body: dict[str, object]) -> str:
     """The task's edge: the message's JSON body becomes a GeneratePayload here, and the
     rest of the worker sees only the typed payload."""
     payload = GeneratePayload.from_dict(body)

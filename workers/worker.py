@@ -28,9 +28,10 @@ import threading
 import time
 import uuid
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import redis
+from celery.worker import WorkController
 
 from store import Store
 from tasks.payloads import GeneratePayload
@@ -39,6 +40,7 @@ from tidegate import gcfreeze, keys, locks, redisconn
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
 from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, Outcome, WorkerState
+from tidegate.redisconn import StreamsClient
 from tidegate.settings import Settings
 from workers.context import WorkerContext
 from workers.engine import Engine, EngineDead
@@ -70,7 +72,7 @@ KOMBU_BRPOP_S = 1.5  # kombu's Redis consumer blocks in BRPOP this long at most 
 
 class Worker:
     def __init__(self, settings: Settings, name: str, lane: str, pool: str,
-                 celery_worker: Any) -> None:
+                 celery_worker: WorkController) -> None:
         self.settings, self.name, self.lane, self.pool = settings, name, lane, pool
         self.celery_worker = celery_worker  # for the queues it consumes now
         self.pool_queue = pool_queue(settings.lanes[lane], pool)
@@ -86,7 +88,7 @@ class Worker:
         self.hold = TokenHold()  # fault injection: a job held mid-generation
         self.redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
         # Jobs' streams, leases and cancel keys: the same client unless they live apart.
-        self.streams: Any = self.redis if not settings.streams_url else \
+        self.streams: StreamsClient = self.redis if not settings.streams_url else \
             redisconn.sync_streams_client(settings.streams_url, **settings.redis_timeouts)
         self.ctx: WorkerContext | None = None  # set once the engine is loaded and warmed
         self._lock = threading.Lock()
