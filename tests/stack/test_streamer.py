@@ -16,11 +16,12 @@ import redis
 from tests.helpers import tool_or_skip
 from tidegate import keys, redisconn
 from tidegate.events import Event
+from tidegate.locks import RELEASE
 from tidegate_tools.procs import Proc, RedisClusterProcs, free_port, redis_cluster, start_redis
 from workers import job_stream
 from workers.engine import Delta
 from workers.host import Cancelled
-from workers.lease import RELEASE, Lease, LeaseLost
+from workers.lease import Lease, LeaseLost
 from workers.progress import Progress
 from workers.publisher import EventPublisher, StreamState
 from workers.streamer import CANCELLED, DELTA, END, FIRST, SLOW, Feed, Streamer
