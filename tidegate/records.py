@@ -138,7 +138,7 @@ class Heartbeat:
         return self.lanes[0]
 
 
-class Outcome(StrEnum):
+class AttemptOutcome(StrEnum):
     """How one attempt of a job ended in its worker (workers/runner.py): in the worker's
     logs, its `tidegate_stats` outcome counts and Celery's "succeeded" line. Not the job's
     status: an attempt may end with the job left to another attempt."""

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from store import FirstToken, JobRecord
 from tasks.payloads import GeneratePayload
 from tidegate import ratelimit
-from tidegate.records import JobStatus, Outcome
+from tidegate.records import AttemptOutcome, JobStatus
 from workers.context import WorkerContext
 from workers.job_stream import emit
 from workers.lease import LeaseLost
@@ -20,14 +20,14 @@ log = logging.getLogger("tidegate.worker")
 
 
 def end_early(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
-               remaining: int) -> Outcome:
+               remaining: int) -> AttemptOutcome:
     if remaining <= 0:  # an earlier attempt generated everything but died before `done`
         return end_done(ctx, payload, progress, "length")
     return end_expired(ctx, payload, progress)
 
 
 def end_done(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
-              finish_reason: str) -> Outcome:
+              finish_reason: str) -> AttemptOutcome:
     ended, job = _finish(ctx, payload.job_id, progress, JobStatus.DONE,
                          finish_reason=finish_reason)
     if not ended:
@@ -37,7 +37,7 @@ def end_done(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
     emit(ctx, payload.job_id, progress, "done",
           data=done_data(payload, job, finish_reason, progress))
     _count_end(ctx, JobStatus.DONE, job, progress)
-    return Outcome.DONE
+    return AttemptOutcome.DONE
 
 
 def done_data(payload: GeneratePayload, job: JobRecord | None, finish_reason: str,
@@ -53,7 +53,8 @@ def done_data(payload: GeneratePayload, job: JobRecord | None, finish_reason: st
     }
 
 
-def end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: Progress) -> Outcome:
+def end_cancelled(ctx: WorkerContext, payload: GeneratePayload,
+                  progress: Progress) -> AttemptOutcome:
     _, job = _finish(ctx, payload.job_id, progress, JobStatus.CANCELLED,
                      finish_reason="cancelled")
     emit(ctx, payload.job_id, progress, "done", data={
@@ -61,16 +62,17 @@ def end_cancelled(ctx: WorkerContext, payload: GeneratePayload, progress: Progre
         "usage": {"prompt_tokens": payload.prompt_tokens,
                   "completion_tokens": progress.completion_tokens}})
     _count_end(ctx, JobStatus.CANCELLED, job, progress)
-    return Outcome.CANCELLED
+    return AttemptOutcome.CANCELLED
 
 
-def end_expired(ctx: WorkerContext, payload: GeneratePayload, progress: Progress) -> Outcome:
+def end_expired(ctx: WorkerContext, payload: GeneratePayload,
+                progress: Progress) -> AttemptOutcome:
     _, job = _finish(ctx, payload.job_id, progress, JobStatus.EXPIRED, finish_reason="deadline",
                      error="the job's deadline passed")
     emit(ctx, payload.job_id, progress, "error",
           data={"code": "deadline_exceeded", "message": "the job's deadline passed"})
     _count_end(ctx, JobStatus.EXPIRED, job, progress)
-    return Outcome.EXPIRED
+    return AttemptOutcome.EXPIRED
 
 
 def fail(ctx: WorkerContext, job_id: str, code: str, message: str,

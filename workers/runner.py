@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from tasks.payloads import GeneratePayload
 from tidegate import keys, logs, tracing
 from tidegate.events import Event
-from tidegate.records import JobStatus, Outcome
+from tidegate.records import AttemptOutcome, JobStatus
 from workers.context import WorkerContext
 from workers.endings import done_data, end_cancelled, end_done, end_early, end_expired, fail
 from workers.engine import BORROWED, OWN, EngineDead, EngineError
@@ -43,14 +43,14 @@ from workers.retry import TRANSIENT
 log = logging.getLogger("tidegate.worker")
 
 
-def run_job(ctx: WorkerContext, payload: GeneratePayload) -> Outcome:
+def run_job(ctx: WorkerContext, payload: GeneratePayload) -> AttemptOutcome:
     """Run one job; returns the outcome (for logs and tests). Never raises."""
     lease = Lease(ctx.streams, keys.job_lease(ctx.namespace, payload.job_id), ctx.name,
                   ctx.lease_ttl_s, stream=keys.job_events(ctx.namespace, payload.job_id))
     try:
         taken, opening = _take(ctx, payload, lease)
         if not taken:
-            return Outcome.SKIPPED_TERMINAL
+            return AttemptOutcome.SKIPPED_TERMINAL
     except TRANSIENT as exc:
         return _requeue(payload.job_id, exc)
     ctx._hold(lease, True)
@@ -59,11 +59,11 @@ def run_job(ctx: WorkerContext, payload: GeneratePayload) -> Outcome:
     except LeaseLost:
         log.warning("job %s: this attempt lost its lease to another", payload.job_id)
         ctx.host.abandon(payload.job_id)
-        return Outcome.LEASE_LOST
+        return AttemptOutcome.LEASE_LOST
     except EngineDead:
         log.warning("job %s: the engine died under it; left for another worker",
                     payload.job_id)
-        return Outcome.ENGINE_DEAD
+        return AttemptOutcome.ENGINE_DEAD
     except TRANSIENT as exc:
         ctx.host.abandon(payload.job_id)  # a later attempt generates the rest
         return _requeue(payload.job_id, exc)
@@ -107,10 +107,10 @@ def _take_reading(ctx: WorkerContext, job_id: str, lease: Lease) -> _Opening | N
     return _Opening(ctx.publisher.state_of(entries), bool(cancelled))
 
 
-def _requeue(job_id: str, exc: BaseException) -> Outcome:
+def _requeue(job_id: str, exc: BaseException) -> AttemptOutcome:
     log.warning("job %s: the store or Redis is still failing (%s) after the retries; the "
                 "job goes back to its queue", job_id, type(exc).__name__)
-    return Outcome.REQUEUED
+    return AttemptOutcome.REQUEUED
 
 
 def _release(ctx: WorkerContext, lease: Lease) -> None:
@@ -130,7 +130,7 @@ def _ended(ctx: WorkerContext, payload: GeneratePayload) -> bool:
     return job is None or job.terminal
 
 
-def _fail_unexpected(ctx: WorkerContext, job_id: str, lease: Lease) -> Outcome:
+def _fail_unexpected(ctx: WorkerContext, job_id: str, lease: Lease) -> AttemptOutcome:
     try:
         state = ctx.retry(ctx.publisher.state, job_id)
         if not state.terminal:
@@ -141,20 +141,20 @@ def _fail_unexpected(ctx: WorkerContext, job_id: str, lease: Lease) -> Outcome:
         pass  # another attempt runs the job now, and ends it
     except TRANSIENT as exc:
         return _requeue(job_id, exc)
-    return Outcome.ERROR
+    return AttemptOutcome.ERROR
 
 
 def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
-                opening: _Opening | None) -> Outcome:
+                opening: _Opening | None) -> AttemptOutcome:
     job = ctx.retry(ctx.store.claim_job, payload.job_id, ctx.name, ctx.host.engine.kind)
     if job is None:
         log.info("job %s is already finished or unknown; skipping", payload.job_id)
         _complete_stream(ctx, payload, lease)
-        return Outcome.SKIPPED_TERMINAL
+        return AttemptOutcome.SKIPPED_TERMINAL
     logs.bind(attempt=job.attempts)  # the rest of this task's lines carry it
     state = opening.state if opening else ctx.retry(ctx.publisher.state, payload.job_id)
     if state.terminal:
-        return Outcome.SKIPPED_TERMINAL
+        return AttemptOutcome.SKIPPED_TERMINAL
     progress = Progress.of(lease, state)
     progress.started_at = job.started_at
     tracing.annotate(attempt=job.attempts)
@@ -165,7 +165,7 @@ def _run_leased(ctx: WorkerContext, payload: GeneratePayload, lease: Lease,
               "each attempt died with its worker", progress)
         if ctx.metrics is not None:  # decided here, in the worker that took it last
             ctx.metrics.poisoned(payload.lane)
-        return Outcome.POISON
+        return AttemptOutcome.POISON
     if payload.session_id:  # this worker's KV cache now holds the session's prefix
         ctx.retry(ctx.store.set_session_worker, payload.session_id, job.tenant_id, ctx.name)
     if progress.seq == 0:
@@ -204,7 +204,7 @@ def _complete_stream(ctx: WorkerContext, payload: GeneratePayload, lease: Lease)
 
 
 def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
-              state: StreamState) -> Outcome:
+              state: StreamState) -> AttemptOutcome:
     remaining = payload.sampling.max_tokens - len(state.token_ids)
     timeout_s = payload.deadline_at - time.time() if payload.deadline_at else None
     if remaining <= 0 or (timeout_s is not None and timeout_s <= 0):
@@ -215,7 +215,7 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
         fail(ctx, payload.job_id, "not_resumable", "the worker running this job (n > 1) "
               "died after its first tokens; a job with several choices cannot resume",
               progress)
-        return Outcome.ERROR
+        return AttemptOutcome.ERROR
     borrowed = payload.lane not in ctx.lanes  # on a slot another lane lent (scheduler/router.py)
     request = engine_request(payload, remaining, state, BORROWED if borrowed else OWN)
     if ctx.metrics is not None:
@@ -238,7 +238,7 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
         return end_expired(ctx, payload, progress)
     except EngineError as exc:
         fail(ctx, payload.job_id, "engine_rejected", str(exc), progress)
-        return Outcome.ERROR
+        return AttemptOutcome.ERROR
     if not borrowed:  # the router's estimate of this worker's own lanes' service time
         ctx.record_job_ms((time.monotonic() - started) * 1000)
     return end_done(ctx, payload, progress, finish_reason)

@@ -10,7 +10,7 @@ from opentelemetry.trace import SpanKind
 
 from tasks.payloads import GeneratePayload
 from tidegate import tracing
-from tidegate.records import Outcome
+from tidegate.records import AttemptOutcome
 from workers.consumer import turn_consumer_loop
 from workers.worker import current
 
@@ -51,7 +51,7 @@ def generate(task: Task, body: dict[str, object]) -> str:
                       kind=SpanKind.CONSUMER) as span:
         outcome = me.run(payload)
         span.set_attribute("tidegate.outcome", outcome.value)
-    if outcome is Outcome.REQUEUED:
+    if outcome is AttemptOutcome.REQUEUED:
         # The job could not be ended (store or Redis down past the retries): rejected with
         # requeue, kombu puts the message back on its queue; acked, the job would be lost.
         raise Reject(f"job {task.request.id}: requeued, the store or Redis is failing",

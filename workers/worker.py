@@ -39,7 +39,7 @@ from tasks.recovery import restore_orphans
 from tidegate import gcfreeze, keys, locks, redisconn
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
-from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, Outcome, WorkerState
+from tidegate.records import RESTART_EXIT, AttemptOutcome, EngineStats, Heartbeat, WorkerState
 from tidegate.redisconn import StreamsClient
 from tidegate.settings import Settings
 from workers.context import WorkerContext
@@ -94,7 +94,7 @@ class Worker:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # jobs in flight went down
         self._in_flight = 0
-        self._outcomes: dict[Outcome, int] = {}
+        self._outcomes: dict[AttemptOutcome, int] = {}
         self._never = threading.Event()  # what a task left to others waits on: forever
         self._left: set[str] = set()  # ids of the jobs left to other workers
         self.lender: Lender | None = None  # a lending lane's: pulls other lanes' jobs
@@ -155,7 +155,7 @@ class Worker:
 
     # -- jobs ------------------------------------------------------------------------
 
-    def run(self, payload: GeneratePayload) -> Outcome:
+    def run(self, payload: GeneratePayload) -> AttemptOutcome:
         """One generate task; returns its outcome. Never returns once the engine died."""
         ctx = self.ctx
         if ctx is None:
@@ -166,7 +166,7 @@ class Worker:
             with self._lock:
                 self._left.add(job_id)
             self._leave_to_others()
-        outcome = Outcome.ERROR
+        outcome = AttemptOutcome.ERROR
         with self._lock:
             self._in_flight += 1
         if self.lender is not None:  # counted in flight: no longer a coming borrowed job
@@ -177,10 +177,10 @@ class Worker:
             with self._changed:  # left to others before the retiring thread looks
                 self._in_flight -= 1
                 self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
-                if outcome is Outcome.ENGINE_DEAD:
+                if outcome is AttemptOutcome.ENGINE_DEAD:
                     self._left.add(job_id)
                 self._changed.notify_all()
-        if outcome is Outcome.ENGINE_DEAD:
+        if outcome is AttemptOutcome.ENGINE_DEAD:
             self.engine_died()
             self._leave_to_others()
         return outcome
