@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
+from workers.vllm_patches import on_pinned_vllm
 
 if TYPE_CHECKING:  # vLLM's scheduler, which this patch extends (PINNED_VLLM's)
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -47,15 +47,8 @@ def register() -> None:
     """The entry point vLLM calls in each process."""
     if os.environ.get(SLOT_PREEMPT_ENV) != "1":
         return
-    import vllm
-
-    try:
-        check_version(vllm.__version__)
-    except PatchRefused:
-        log.warning("vLLM %s is not %s: %s is ignored (no preemption for a slot)",
-                    vllm.__version__, PINNED_VLLM, SLOT_PREEMPT_ENV)
-        return
-    _install()
+    if on_pinned_vllm(SLOT_PREEMPT_ENV, "no preemption for a slot"):
+        _install()
 
 
 _installed = False

@@ -24,12 +24,9 @@ than a patch that breaks a peer vLLM.
 
 from __future__ import annotations
 
-import logging
 import os
 
-from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
-
-log = logging.getLogger("tidegate.vllm")
+from workers.vllm_patches import on_pinned_vllm
 
 RECHECK_ENV = "TIDEGATE_VLLM_SHM_RECHECK_MS"
 RECHECK_MS = 20
@@ -38,15 +35,7 @@ RECHECK_MS = 20
 def register() -> None:
     """The entry point vLLM calls in each process."""
     raw = os.environ.get(RECHECK_ENV, "")
-    if not raw:
-        return
-    import vllm
-
-    try:
-        check_version(vllm.__version__)
-    except PatchRefused:
-        log.warning("vLLM %s is not %s: %s is ignored (vLLM's own shared-memory recheck)",
-                    vllm.__version__, PINNED_VLLM, RECHECK_ENV)
+    if not raw or not on_pinned_vllm(RECHECK_ENV, "vLLM's own shared-memory recheck"):
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
