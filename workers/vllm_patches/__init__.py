@@ -53,15 +53,14 @@ def check_version(version: str) -> None:
             f"vLLM eviction).")
 
 
-def on_pinned_vllm(variable: str, instead: str) -> bool:
-    """Whether this process's vLLM is PINNED_VLLM; on another, a patch that must never break
-    a peer vLLM is skipped: a warning that `variable` is ignored, and what runs `instead`."""
-    import vllm
-
+def on_pinned_vllm(version: str, variable: str, instead: str) -> bool:
+    """Whether this process's vLLM (`version`) is PINNED_VLLM; on another, a patch that must
+    never break a peer vLLM is skipped: a warning that `variable` is ignored, and what runs
+    `instead`. (vLLM is imported by the patch modules, not here: import-linter's fence.)"""
     try:
-        check_version(vllm.__version__)
+        check_version(version)
     except PatchRefused:
-        log.warning("vLLM %s is not %s: %s is ignored (%s)", vllm.__version__, PINNED_VLLM,
-                    variable, instead)
+        log.warning("vLLM %s is not %s: %s is ignored (%s)", version, PINNED_VLLM, variable,
+                    instead)
         return False
     return True

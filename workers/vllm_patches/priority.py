@@ -47,7 +47,9 @@ def register() -> None:
     """The entry point vLLM calls in each process."""
     if os.environ.get(SLOT_PREEMPT_ENV) != "1":
         return
-    if on_pinned_vllm(SLOT_PREEMPT_ENV, "no preemption for a slot"):
+    import vllm
+
+    if on_pinned_vllm(vllm.__version__, SLOT_PREEMPT_ENV, "no preemption for a slot"):
         _install()
 
 

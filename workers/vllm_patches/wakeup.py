@@ -35,7 +35,11 @@ RECHECK_MS = 20
 def register() -> None:
     """The entry point vLLM calls in each process."""
     raw = os.environ.get(RECHECK_ENV, "")
-    if not raw or not on_pinned_vllm(RECHECK_ENV, "vLLM's own shared-memory recheck"):
+    if not raw:
+        return
+    import vllm
+
+    if not on_pinned_vllm(vllm.__version__, RECHECK_ENV, "vLLM's own shared-memory recheck"):
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
