@@ -37,6 +37,7 @@ from store import Store
 from tasks.payloads import GeneratePayload
 from tasks.recovery import restore_orphans
 from tidegate import gcfreeze, keys, locks, redisconn
+from tidegate.backoff import Backoff
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
 from tidegate.records import RESTART_EXIT, AttemptOutcome, EngineStats, Heartbeat, WorkerState
@@ -49,7 +50,7 @@ from workers.host import EngineHost
 from workers.lending import Lender
 from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
-from workers.retry import Backoff, Retrier
+from workers.retry import Retrier
 from workers.runner import run_job
 from workers.streamer import Streamer
 

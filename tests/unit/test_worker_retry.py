@@ -9,7 +9,8 @@ import pytest
 import redis
 import sqlalchemy.exc
 
-from workers.retry import Backoff, Retrier
+from tidegate.backoff import Backoff
+from workers.retry import Retrier
 
 
 class Flaky:
@@ -55,7 +56,7 @@ def test_bugs_are_not_retried(error: BaseException) -> None:
 
 
 def test_a_resubscribe_backs_off_doubling_to_its_cap_with_jitter_and_starts_over() -> None:
-    """workers/retry.py `Backoff`, as the cancel listener waits between resubscribes."""
+    """tidegate/backoff.py, as the cancel listener waits between resubscribes."""
     top = Backoff(first_s=0.5, max_s=4.0, rand=lambda: 1.0)
     assert [top.next_s() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
     top.reset()
