@@ -91,4 +91,3 @@ def _log_retry(state: RetryCallState) -> None:
     # statement's parameters, which hold prompt and output text.
     log.warning("%s failed (%s), try %d; retrying", name, type(exc).__name__,
                 state.attempt_number)
-
