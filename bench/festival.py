@@ -102,7 +102,7 @@ from tidegate_tools.procs import (  # noqa: E402
     wait_until,
 )
 from tidegate_tools.stack import api_ready  # noqa: E402
-from workers.sim_engine import load_profile  # noqa: E402
+from workers.sim_profile import load_profile  # noqa: E402
 
 PROFILE = "festival-replay"  # workers/sim_profiles.toml
 SLOTS = 4  # engine slots of a sim worker: few, so the machine is not the bottleneck

@@ -95,7 +95,7 @@ from tidegate import keys  # noqa: E402
 from tidegate_tools.procs import Proc, RedisClusterProcs, redis_cluster  # noqa: E402
 from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
 from workers.engine import EngineError  # noqa: E402
-from workers.sim_engine import load_profile  # noqa: E402
+from workers.sim_profile import load_profile  # noqa: E402
 
 NAMESPACE = "tgbench"  # bench/stack.py's tidegate_env
 PROFILE = "llama-3.1-8b-fp8-h100"

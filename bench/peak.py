@@ -74,7 +74,7 @@ from scheduler.peaks import PeakWindow, peak_factor, windows_of  # noqa: E402
 from scheduler.planner import Capacity, capacity_from, lead_time_s, plan  # noqa: E402
 from scheduler.router import WorkerView  # noqa: E402
 from tidegate.lanes import Lane, load_lanes  # noqa: E402
-from workers.sim_engine import SimProfile, load_profile  # noqa: E402
+from workers.sim_profile import SimProfile, load_profile  # noqa: E402
 
 # -- calibration: one named profile of the sim engine ----------------------------------
 PROFILE = "llama-3.1-8b-fp8-h100"  # workers/sim_profiles.toml

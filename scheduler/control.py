@@ -5,7 +5,7 @@ worker restarts, so every change here is verified and recorded as the desired st
 Redis; `reconcile` re-applies that record.
 
 An activation is verified by the worker itself, once the queue is consumed: its command
-(`tidegate_consume`, workers/celery_hooks.py) writes a heartbeat whose `consuming` names
+(`tidegate_consume`, workers/control.py) writes a heartbeat whose `consuming` names
 the queue and publishes its name on the fleet channel, which the scheduler waits on here
 and the API's routers follow (api/fleet.py). One control round trip and one message, not
 a poll of `inspect().active_queues()` nor a heartbeat period; `active_queues()` remains

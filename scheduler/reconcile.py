@@ -58,8 +58,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypedDict, cast
 
+import redis
 from celery import Celery
 
 from scheduler import router
@@ -81,6 +82,7 @@ from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue, redis_priority
 from tidegate.locks import RedisLock, new_token
 from tidegate.records import ACTIVE_STATUSES, Heartbeat, JobStatus, WorkerState
+from tidegate.redisconn import StreamsClient
 from tidegate.settings import Settings
 
 log = logging.getLogger("tidegate.reconcile")
@@ -90,22 +92,28 @@ MAX_SCANNED = 20_000  # queued and unacked messages read per pass at most
 MAX_MOVED = 1000  # messages moved out of dead workers' direct queues per pass
 HOLD_S = 30  # the holder lock lapses if a pass died without releasing it
 
+# What a pass did to one job or one queue ({"action": ..., "job_id": ...}): logged, and
+# recorded with the scheduler's actions (scheduler/service.py).
+Action = dict[str, object]
+
+
+class PassResult(TypedDict, total=False):
+    acted: bool  # False: another pass was running
+    reason: str  # why it did not act
+    actions: list[Action]
+
 
 @dataclass
 class Pass:
     """One pass: its clients, the fleet it saw and the time it started."""
 
     app: Celery
-    client: Any  # redis.Redis: the suspects hash, the queues
+    client: redis.Redis  # the suspects hash, the queues
     store: Store
     settings: Settings
-    streams: Any = None  # the token streams' Redis (leases, streams); None: `client`
+    streams: StreamsClient  # the token streams' Redis (leases, streams): maybe `client`
     fleet: list[Heartbeat] = field(default_factory=list)
     now: float = field(default_factory=time.time)
-
-    def __post_init__(self) -> None:
-        if self.streams is None:
-            self.streams = self.client
 
     @property
     def ns(self) -> str:
@@ -117,20 +125,20 @@ class Pass:
         return {hb.name for hb in self.fleet if hb.state != WorkerState.FAILED}
 
 
-def reconcile(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def reconcile(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> PassResult:
     """One pass, if no other runs now; returns what it did."""
     lock = RedisLock(client, keys.scheduler_lock(settings.namespace, "reconciling", 0), HOLD_S)
     if not lock.acquire():
         return {"acted": False, "reason": "another pass is running"}
     try:
-        run = Pass(app, client, store, settings, fleet=read_fleet(client, settings.namespace),
-                   streams=streams_client(settings))
+        run = Pass(app, client, store, settings, streams_client(settings) or client,
+                   fleet=read_fleet(client, settings.namespace))
         return {"acted": True, "actions": _reconcile(run)}
     finally:
         lock.release()
 
 
-def _reconcile(run: Pass) -> list[dict[str, Any]]:
+def _reconcile(run: Pass) -> list[Action]:
     before = datetime.fromtimestamp(run.now - run.settings.reconcile_grace_s, UTC)
     queues = run.store.jobs.unended_queues(keys.direct_queue(run.ns, ""))
     actions = _move_stranded(run, set(queues))
@@ -194,7 +202,7 @@ def _queued_ids(run: Pass) -> set[str] | None:
     return {job_id for job_id in ids if job_id is not None}
 
 
-def _loads(raw: bytes) -> dict[str, Any]:
+def _loads(raw: bytes) -> dict[str, Any]:  # a kombu message: JSON
     try:
         message = json.loads(raw)
     except ValueError:
@@ -206,7 +214,9 @@ def _confirm(run: Pass, job_ids: list[str]) -> set[str]:
     """The suspects found so for `reconcile_grace_s` already. The hash is rewritten with
     this pass's suspects only: a job seen fine once starts its wait again."""
     key = keys.reconcile_suspects(run.ns)
-    seen = {k.decode(): float(v) for k, v in run.client.hgetall(key).items()}
+    # redis-py types a reply as maybe awaitable; this client is the sync one.
+    stored = cast(dict[bytes, bytes], run.client.hgetall(key))
+    seen = {k.decode(): float(v) for k, v in stored.items()}
     since = {job_id: seen.get(job_id, run.now) for job_id in job_ids}
     pipe = run.client.pipeline(transaction=True)
     pipe.delete(key)
@@ -221,10 +231,10 @@ def _confirm(run: Pass, job_ids: list[str]) -> set[str]:
 # -- dead workers' direct queues -----------------------------------------------------
 
 
-def _move_stranded(run: Pass, queues: set[str]) -> list[dict[str, Any]]:
+def _move_stranded(run: Pass, queues: set[str]) -> list[Action]:
     """Messages waiting in a dead worker's direct queue go to a queue a live worker of
     their lane consumes, in the order they would have been served."""
-    actions = []
+    actions: list[Action] = []
     for queue in sorted(queues):
         worker = stranded_worker(run.ns, queue, run.alive)
         if worker is None:
@@ -249,8 +259,8 @@ def _move_list(run: Pass, sub: str) -> int:
     return moved
 
 
-def _move_one(run: Pass, pipe: Any, sub: str) -> bool:
-    raw = pipe.lindex(sub, 0)
+def _move_one(run: Pass, pipe: redis.client.Pipeline, sub: str) -> bool:
+    raw = cast(bytes | None, pipe.lindex(sub, 0))  # WATCHing: the command runs now
     message = _loads(raw) if raw else {}
     target = target_queue(run.settings, run.fleet, message) if message else None
     if target is None:  # empty, or no generate task of a known lane: left where it is
@@ -264,7 +274,7 @@ def _move_one(run: Pass, pipe: Any, sub: str) -> bool:
 # -- acting on one job ---------------------------------------------------------------
 
 
-def _act(run: Pass, job: JobRecord) -> dict[str, Any] | None:
+def _act(run: Pass, job: JobRecord) -> Action | None:
     """Sends the job again or ends it, holding its lease; None when an attempt took the
     job meanwhile or it ended."""
     lease = RedisLock(run.streams, keys.job_lease(run.ns, job.id),
@@ -282,7 +292,7 @@ def _act(run: Pass, job: JobRecord) -> dict[str, Any] | None:
     return action
 
 
-def _decide(run: Pass, job: JobRecord) -> dict[str, Any] | None:
+def _decide(run: Pass, job: JobRecord) -> Action | None:
     if job.status == JobStatus.CANCELLED:
         return _end_cancelled(run, job)
     payload = run.store.jobs.job_payload(job.id)
@@ -300,7 +310,7 @@ def _decide(run: Pass, job: JobRecord) -> dict[str, Any] | None:
     return _send_again(run, job, body)
 
 
-def _send_again(run: Pass, job: JobRecord, body: GeneratePayload) -> dict[str, Any]:
+def _send_again(run: Pass, job: JobRecord, body: GeneratePayload) -> Action:
     needs = {**capabilities.needs(body.sampling),
              **capabilities.output_needs(body.guided, body.tool_parse)}
     queue, why = _route(run, job, needs)
@@ -328,7 +338,7 @@ def _route(run: Pass, job: JobRecord, needs: dict[str, str]) -> tuple[str, str]:
         return queue, f"{exc}; waits in {queue}"
 
 
-def _end_expired(run: Pass, job: JobRecord) -> dict[str, Any] | None:
+def _end_expired(run: Pass, job: JobRecord) -> Action | None:
     if not run.store.runs.expire_job(job.id):
         return None
     _write_end(run, job.id, "error", {"code": "deadline_exceeded",
@@ -336,14 +346,14 @@ def _end_expired(run: Pass, job: JobRecord) -> dict[str, Any] | None:
     return {"action": "expired", "job_id": job.id, "status": job.status}
 
 
-def _end_lost(run: Pass, job: JobRecord, why: str) -> dict[str, Any] | None:
+def _end_lost(run: Pass, job: JobRecord, why: str) -> Action | None:
     if not run.store.runs.end_job(job.id, JobStatus.ERROR, error=why)[0]:
         return None
     _write_end(run, job.id, "error", {"code": "lost", "message": f"the job was lost: {why}"})
     return {"action": "lost", "job_id": job.id, "status": job.status}
 
 
-def _end_cancelled(run: Pass, job: JobRecord) -> dict[str, Any]:
+def _end_cancelled(run: Pass, job: JobRecord) -> Action:
     """The end its dead worker did not write: the row's finish (with the tokens its
     stream holds), then the `done` event."""
     text, token_ids = _stream_tokens(run, job.id)
@@ -362,7 +372,7 @@ def _stream_tokens(run: Pass, job_id: str) -> tuple[str, list[int]]:
     return "".join(e.text for e in tokens), [i for e in tokens for i in e.token_ids]
 
 
-def _write_end(run: Pass, job_id: str, kind: Kind, data: dict[str, Any]) -> None:
+def _write_end(run: Pass, job_id: str, kind: Kind, data: dict[str, object]) -> None:
     """The terminal event after the stream's last (unless it has one), its pub/sub copy,
     and the stream's TTL. The pass holds the job's lease: no attempt appends meanwhile."""
     key = keys.job_events(run.ns, job_id)
@@ -385,11 +395,11 @@ def _write_end(run: Pass, job_id: str, kind: Kind, data: dict[str, Any]) -> None
 
 
 @functools.cache
-def _streams_of(url: str, connect_s: float, socket_s: float) -> Any:
+def _streams_of(url: str, connect_s: float, socket_s: float) -> StreamsClient:
     return redisconn.sync_streams_client(url, **redisconn.timeouts(connect_s, socket_s))
 
 
-def streams_client(settings: Settings) -> Any:
+def streams_client(settings: Settings) -> StreamsClient | None:
     """The token streams' Redis when it is not the main one (TIDEGATE_STREAMS_URL), one
     client per process; None otherwise."""
     if not settings.streams_url:

@@ -82,7 +82,7 @@ def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -
     for action in result.get("actions", []):
         record_action(client, settings.namespace, action)
         metrics.count_recovery(action)
-    return result
+    return dict(result)
 
 
 def purge_pass(client: Any, store: Store, settings: Settings) -> dict[str, Any]:

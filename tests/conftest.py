@@ -42,6 +42,9 @@ os.environ.update({
     # full runs on a loaded 2-core machine, a restarted worker's vLLM took over 5 minutes
     # to start (it takes seconds when the test runs alone).
     "TIDEGATE_RESTART_TIMEOUT_S": "600",
+    # The fault-injection control commands (workers/fault_commands.py) on every worker the
+    # tests start: tests/stack/test_worker_faults.py and test_standby.py use them.
+    "TIDEGATE_FAULT_COMMANDS": "true",
 })
 
 @pytest.fixture(scope="session")

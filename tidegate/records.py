@@ -168,3 +168,19 @@ class Heartbeat:
     def lane(self) -> str:
         """The lane it serves (a worker serves one)."""
         return self.lanes[0]
+
+
+class AttemptOutcome(StrEnum):
+    """How one attempt of a job ended in its worker (workers/runner.py): in the worker's
+    logs, its `tidegate_stats` outcome counts and Celery's "succeeded" line. Not the job's
+    status: an attempt may end with the job left to another attempt."""
+
+    DONE = "done"
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+    ERROR = "error"  # the job ended `error` (an engine refusal, a bug, a failed resume)
+    POISON = "poison"  # taken up more than max_attempts times: ended `error`, code poison
+    SKIPPED_TERMINAL = "skipped-terminal"  # the job had already ended: nothing to do
+    LEASE_LOST = "lease-lost"  # another attempt took the job over; not acked
+    REQUEUED = "requeued"  # the store or Redis stayed down; the task goes back, unacked
+    ENGINE_DEAD = "engine-dead"  # the engine died under the job; left to another worker

@@ -404,6 +404,12 @@ class _StreamsCluster(redis.cluster.RedisCluster):
         return pipe
 
 
+# The token streams' client: one Redis (or a Sentinel-managed master), or a Redis Cluster
+# (sync_streams_client). Code that takes either names this type.
+StreamsClient = redis.Redis | redis.cluster.RedisCluster
+StreamsPipeline = redis.client.Pipeline | redis.cluster.ClusterPipeline  # of either
+
+
 def sync_streams_client(url: str, **kwargs: Any) -> Any:
     """A client of the token streams' Redis (`url`, TIDEGATE_STREAMS_URL, or the main Redis's
     URL when that is empty): redis-py's RedisCluster for a cluster, which follows MOVED

@@ -383,6 +383,13 @@ class Settings(BaseSettings):
         15.0, gt=0,
         description="A worker retries a failed store or Redis call this long (backoff), then "
         "gives the job back to its queue rather than acking a job it could not end.")
+    # Fault injection (workers/fault_commands.py): the control commands that make a worker's
+    # store fail, hold a job mid-stream or report a slow allocator. Off in production; the
+    # tests and drills turn it on.
+    fault_commands: bool = Field(
+        False,
+        description="Register the fault-injection control commands on workers (tidegate_fault, "
+        "tidegate_store_fault, tidegate_hold): for tests and drills, never in production.")
 
     engine_slots: int = Field(
         64, gt=0,

@@ -32,7 +32,7 @@ import logging
 import re
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import orjson
 import redis
@@ -60,11 +60,11 @@ _OPTIONS = (orjson.OPT_NON_STR_KEYS | orjson.OPT_PASSTHROUGH_DATETIME
 _LONG_NUMBER = re.compile(rb"\d{19}")
 
 
-def _refuse(value: Any) -> Any:
+def _refuse(value: object) -> NoReturn:
     raise TypeError(type(value).__name__)
 
 
-def fast_dumps(value: Any, **kwargs: Any) -> str:
+def fast_dumps(value: object, **kwargs: object) -> str:
     """kombu.utils.json.dumps, by orjson where that writes the same JSON."""
     if not kwargs:
         try:
@@ -74,8 +74,10 @@ def fast_dumps(value: Any, **kwargs: Any) -> str:
     return str(kombu_json.dumps(value, **kwargs))
 
 
-def fast_loads(raw: Any, decode_bytes: bool = True, **kwargs: Any) -> Any:
-    """kombu.utils.json.loads, by orjson where that reads the same values."""
+def fast_loads(raw: str | bytes | bytearray | memoryview, decode_bytes: bool = True,
+               **kwargs: object) -> object:
+    """kombu.utils.json.loads, by orjson where that reads the same values (JSON's: the
+    caller knows their shape)."""
     if isinstance(raw, memoryview | bytearray):
         raw = bytes(raw)
     if isinstance(raw, str):
@@ -90,7 +92,7 @@ def fast_loads(raw: Any, decode_bytes: bool = True, **kwargs: Any) -> Any:
     return kombu_json.loads(raw, decode_bytes=decode_bytes, **kwargs)
 
 
-def _dumps(entry: list[Any]) -> str:
+def _dumps(entry: list[object]) -> str:
     return fast_dumps(entry)
 
 
@@ -100,7 +102,7 @@ EVENT_SERIALIZER = "tidegate-json"  # Celery's task events, by fast_dumps (still
 class BatchedAckQoS(kombu_redis.QoS):
     """kombu's Redis QoS with the cheaper delivery record and batched acks (above)."""
 
-    def append(self, message: Any, delivery_tag: str) -> None:
+    def append(self, message: virtual.Message, delivery_tag: str) -> None:
         delivery = message.delivery_info
         entry = _dumps([message._raw, delivery["exchange"], delivery["routing_key"]])
         commands = [("ZADD", self.unacked_index_key, time.time(), delivery_tag),
@@ -121,8 +123,8 @@ class BatchedAckQoS(kombu_redis.QoS):
     # the task runs, as kombu's): a pool's checkout, release and health check and a
     # pipeline object per delivery were half of the record's cost (a measured hot path).
     _tg_lock = threading.Lock()
-    _tg_conn: Any = None
-    _tg_pool: Any = None
+    _tg_conn: redis.connection.AbstractConnection | None = None
+    _tg_pool: redis.ConnectionPool | None = None
 
     def _send(self, commands: list[tuple[Any, ...]]) -> None:
         pool = self.channel.pool
@@ -155,14 +157,14 @@ class Acker:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending: dict[int, tuple[Any, list[str]]] = {}  # id(qos) -> (qos, tags)
+        self._pending: dict[int, tuple[BatchedAckQoS, list[str]]] = {}  # id(qos) -> (qos, tags)
         self._wake = threading.Event()
         self._idle = threading.Condition(self._lock)  # nothing pending, nothing in flight
         self._busy = False
         self._failures = 0  # consecutive failed batches
         self._thread: threading.Thread | None = None
 
-    def add(self, qos: Any, tag: str) -> None:
+    def add(self, qos: BatchedAckQoS, tag: str) -> None:
         with self._lock:
             self._pending.setdefault(id(qos), (qos, []))[1].append(tag)
             if self._thread is None:
@@ -200,7 +202,7 @@ class Acker:
                 self._wake.set()
 
 
-def _remove(qos: Any, tags: list[str]) -> bool:
+def _remove(qos: BatchedAckQoS, tags: list[str]) -> bool:
     try:
         with qos.channel.conn_or_acquire() as client:
             pipe = client.pipeline(transaction=False)
@@ -223,7 +225,7 @@ def install() -> None:
     kombu_redis.Channel.QoS = BatchedAckQoS
     setattr(kombu_redis, "dumps", fast_dumps)  # noqa: B010 (names the module reads)
     setattr(kombu_redis, "loads", fast_loads)  # noqa: B010
-    # Registered under its own name, for the event dispatcher alone (celery_hooks.py); its
+    # Registered under its own name, for the event dispatcher alone (consumer.py); its
     # content type is JSON's, whose decoder is then fast_loads for every message read.
     serialization.register(EVENT_SERIALIZER, fast_dumps, fast_loads,
                            content_type="application/json", content_encoding="utf-8")

@@ -124,10 +124,10 @@ class Delta:
         """New tokens of the choices after the first (n > 1): usage counts every choice."""
         return sum(len(c.token_ids) for c in self.choices if c.index != 0)
 
-    def event_data(self) -> dict[str, Any]:
+    def event_data(self) -> dict[str, object]:
         """What the job's token event carries beside choice 0's text (tidegate/events.py):
         choice 0's logprobs (n = 1), or every choice's new output (n > 1)."""
-        data: dict[str, Any] = {}
+        data: dict[str, object] = {}
         if self.logprobs is not None and not self.choices:
             data["logprobs"] = list(self.logprobs)
         if self.tool_calls:

@@ -1,5 +1,5 @@
 """Fault injection for tests and drills, armed by control commands
-(workers/celery_hooks.py): store statements that fail, and a job held mid-generation.
+(workers/fault_commands.py): store statements that fail, and a job held mid-generation.
 Unarmed, each costs an attribute test or two on its path."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import psutil
 from sqlalchemy import event
+from sqlalchemy.engine import Connection
 
 from store import Store
 
@@ -50,7 +50,7 @@ class StoreFault:
                 return True
             return False
 
-    def _before_execute(self, conn: Any, *_: Any) -> None:
+    def _before_execute(self, conn: Connection, *_: object) -> None:
         # Unarmed, a statement costs two attribute tests.
         if (self._outage_s or self._failures) and self._fails_now():
             raise conn.dialect.loaded_dbapi.OperationalError(

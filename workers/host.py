@@ -12,14 +12,15 @@ import contextlib
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from workers.engine import ChoiceDelta, Delta, Engine, EngineRequest
 
 _END = object()
+T = TypeVar("T")
 _REMEMBER_CANCELLED = 10_000  # ids cancelled before their run started (broadcast cancels)
 # The loop thread's name, in Python and for the OS (/proc/<pid>/task/<tid>/comm, at most
 # 15 bytes): profilers and bench/frontdoor.py tell the engine's CPU from the worker's by it.
@@ -70,7 +71,7 @@ class EngineHost:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    def _call(self, coro: Any) -> Future[Any]:
+    def _call(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def start(self, warm_prompts: list[str] | None = None) -> None:

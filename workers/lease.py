@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
-import redis
+from redis.commands.core import Script
 
 from tidegate.locks import RELEASE, RedisLock, new_token
+from tidegate.redisconn import StreamsClient, StreamsPipeline
 
 # Whether the job's stream (the key `stream`) already ends in a terminal event: then the
 # job ended, its last attempt released the lease, and a lapsed lease is not taken back (a
@@ -54,7 +54,7 @@ class LeaseLost(Exception):
 
 
 class Lease:
-    def __init__(self, client: redis.Redis, key: str, worker: str, ttl_s: int,
+    def __init__(self, client: StreamsClient, key: str, worker: str, ttl_s: int,
                  stream: str | None = None) -> None:
         """`stream`: the job's event stream; given, a lapsed lease is not taken back once
         the stream holds the job's end (RENEW)."""
@@ -64,14 +64,14 @@ class Lease:
         # which also takes back a lease that lapsed with no other holder.
         self._lock = RedisLock(client, key, ttl_s, token=new_token(worker))
         self.owner = self._lock.token
-        self._release: Any = client.register_script(RELEASE)
-        self._renew: Any = client.register_script(RENEW)
+        self._release = register_script(client, RELEASE)
+        self._renew = register_script(client, RENEW)
         self.released = False  # by this attempt, which is over
 
     def take(self) -> bool:
         return self._lock.acquire()
 
-    def take_in(self, pipe: Any) -> None:
+    def take_in(self, pipe: StreamsPipeline) -> None:
         """take() queued on a pipeline (the caller reads the reply)."""
         self._lock.acquire_in(pipe)
 
@@ -88,7 +88,7 @@ class Lease:
         """True while this attempt holds the lease (extended, or taken back if free)."""
         return bool(self._renew(keys=self._keys, args=[self.owner, self.ttl_s]))
 
-    def renew_in(self, pipe: Any) -> None:
+    def renew_in(self, pipe: StreamsPipeline) -> None:
         """renew() queued on a pipeline by its script's sha (the reply: 1 held, 0 another's;
         NoScriptError when Redis does not know it, and the caller then renews itself).
         EVALSHA by execute_command: redis-py's cluster pipeline refuses its evalsha()."""
@@ -100,7 +100,13 @@ class Lease:
         self._release(keys=[self.key], args=[self.owner])
         self.released = True
 
-    def release_in(self, pipe: Any) -> None:
+    def release_in(self, pipe: StreamsPipeline) -> None:
         """release() queued on a pipeline: its script by sha (the caller falls back to
         release() when Redis does not know it)."""
         pipe.execute_command("EVALSHA", self._release.sha, 1, self.key, self.owner)
+
+
+def register_script(client: StreamsClient, text: str) -> Script:
+    """redis-py types register_script for its Redis alone; its RedisCluster has the same
+    one (the script runs on the node of its keys' slot)."""
+    return client.register_script(text)  # type: ignore[misc]

@@ -32,7 +32,7 @@ from tidegate import keys
 from tidegate.lanes import lendable_slots, may_borrow, pool_queue
 from tidegate.records import WorkerState
 from tidegate.settings import Settings
-from workers.runner import WorkerContext
+from workers.context import WorkerContext
 
 log = logging.getLogger("tidegate.worker")
 

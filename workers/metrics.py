@@ -21,7 +21,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import (
@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from store import JobRecord
 from tidegate.records import EngineStats, WorkerState
 
 log = logging.getLogger("tidegate.worker")
@@ -128,7 +129,7 @@ class JobMetrics:
     def poisoned(self, lane: str) -> None:
         self.m.poison.labels(*self._labels(lane)).inc()
 
-    def ended(self, lane: str, status: str, job: Any) -> None:
+    def ended(self, lane: str, status: str, job: JobRecord | None) -> None:
         """The job's terminal row is written: its status, and the timings its row holds
         (a job cancelled while queued has none)."""
         labels = self._labels(lane)
@@ -144,7 +145,7 @@ class JobMetrics:
             self.m.e2e.labels(*labels).observe(
                 (job.finished_at - job.enqueued_at).total_seconds())
 
-    def _usage(self, lane: str, job: Any) -> None:
+    def _usage(self, lane: str, job: JobRecord) -> None:
         # As the ledger counts a row: prompt tokens once a worker took the job.
         prompt = job.prompt_tokens if job.started_at is not None else 0
         for kind, tokens in (("prompt", prompt), ("cached", job.cached_tokens),
@@ -183,11 +184,23 @@ _ENGINE_COUNTERS = (
 )
 
 
+class ScrapedWorker(Protocol):
+    """What a scrape reads of the process's Worker (workers/worker.py)."""
+
+    lane: str
+    pool: str
+    name: str
+
+    def engine_stats(self) -> EngineStats | None: ...
+
+    def state(self) -> WorkerState: ...
+
+
 class WorkerCollector(Collector):
     """The worker's state and its engine's figures, read when Prometheus scrapes.
     `worker()` is the process's Worker (workers/worker.py), None before it is built."""
 
-    def __init__(self, worker: Callable[[], Any]) -> None:
+    def __init__(self, worker: Callable[[], ScrapedWorker | None]) -> None:
         self.worker = worker
 
     def collect(self) -> Iterable[Metric]:
@@ -208,7 +221,7 @@ class WorkerCollector(Collector):
         yield self._state(w, labels)
 
     @staticmethod
-    def _state(w: Any, labels: list[str]) -> Metric:
+    def _state(w: ScrapedWorker | None, labels: list[str]) -> Metric:
         gauge = GaugeMetricFamily("tidegate_worker_state", "1 for the worker's current state, "
                                   "0 for the others", labels=[*LABELS, "state"])
         if w is not None:
@@ -274,7 +287,7 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(host: str, port: int, worker: Callable[[], Any]) -> None:
+def serve(host: str, port: int, worker: Callable[[], ScrapedWorker | None]) -> None:
     """Serves /metrics on host:port: tidegate's worker metrics and the default registry
     (the engine's native metrics, the process's own). On the socket reserve() holds for
     that port, else on a new one."""
@@ -290,7 +303,7 @@ def serve(host: str, port: int, worker: Callable[[], Any]) -> None:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base's name
         """No line per scrape (prometheus_client's own server logs none either)."""
 
 

@@ -32,7 +32,7 @@ class Progress:
     first_token_out: datetime | None = None
     cached_tokens: int | None = None  # prompt tokens this attempt found in the prefix cache
     # time.monotonic() when the streamer last renewed the lease (with the job's last token
-    # batch): the job's end then needs no renew of its own (workers/runner.py `_finish`).
+    # batch): the job's end then needs no renew of its own (workers/endings.py `_finish`).
     renewed_at: float | None = None
     # The job's `started` event while it waits for the streamer's next batch (the streamer
     # clears it once it is out); any event the task thread publishes goes after it.

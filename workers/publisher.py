@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import redis
 
 from tidegate import keys, redisconn
 from tidegate.events import Event
-from workers.lease import ENDED_FUNCTION, RENEW, Lease, LeaseLost
+from tidegate.redisconn import StreamsClient
+from workers.lease import ENDED_FUNCTION, RENEW, Lease, LeaseLost, register_script
 
 log = logging.getLogger("tidegate.worker")
 
@@ -62,6 +63,8 @@ local function append(lease, stream, o)
 end
 """
 ARGS_PER_EVENT = 10
+# A job stream's entries as XRANGE answers them: (stream id, {b"e": event JSON, b"k": kind}).
+StreamEntries = Sequence[tuple[bytes, Mapping[bytes, bytes]]]
 
 # One event: 1 appended, 0 the lease is another's, -1 the stream is gone; Redis's XADD
 # error (a seq appended before) comes back as the script's error.
@@ -108,7 +111,7 @@ class StreamState:
 
 
 class EventPublisher:
-    def __init__(self, client: Any, namespace: str, maxlen: int, ttl_s: int) -> None:
+    def __init__(self, client: StreamsClient, namespace: str, maxlen: int, ttl_s: int) -> None:
         self.r = client
         self.ns = namespace
         self.maxlen = maxlen
@@ -116,8 +119,8 @@ class EventPublisher:
         self._scripts = (APPEND, APPEND_MANY)
         if redisconn.is_cluster_client(client):
             self._scripts = (sharded(APPEND), sharded(APPEND_MANY))
-        self._append: Any = client.register_script(self._scripts[0])
-        self._append_many: Any = client.register_script(self._scripts[1])
+        self._append = register_script(client, self._scripts[0])
+        self._append_many = register_script(client, self._scripts[1])
 
     def publish(self, event: Event, lease: Lease, history: Sequence[Event] = ()) -> bool:
         """Append and publish; False when this seq was already appended (a duplicate);
@@ -218,7 +221,7 @@ class EventPublisher:
         return script_keys, args
 
     @staticmethod
-    def many_answers(reply: Any, n: int) -> list[Any]:
+    def many_answers(reply: object, n: int) -> list[object]:
         """APPEND_MANY's reply as an answer per event, as APPEND's: 1 also for an event
         appended before (it is there); the reply itself for all when the call failed."""
         if isinstance(reply, BaseException) or not isinstance(reply, list) or len(reply) != n:
@@ -226,10 +229,12 @@ class EventPublisher:
         return [1 if answer == DUPLICATE else answer for answer in reply]
 
     def state(self, job_id: str) -> StreamState:
-        return self.state_of(self.r.xrange(keys.job_events(self.ns, job_id)))
+        # redis-py types every reply as maybe awaitable; this client is the sync one.
+        entries = cast(StreamEntries, self.r.xrange(keys.job_events(self.ns, job_id)))
+        return self.state_of(entries)
 
     @staticmethod
-    def state_of(entries: Any) -> StreamState:
+    def state_of(entries: StreamEntries) -> StreamState:
         """The state the job stream's entries (XRANGE) make."""
         events = [Event.from_json(fields[b"e"]) for _, fields in entries]
         tokens = [e for e in events if e.kind == "token"]

@@ -3,8 +3,8 @@
 A call that fails with a transient error (the database or Redis unreachable, locked, timed
 out) is tried again with exponential backoff and jitter, for up to the worker's retry
 budget (`Settings.io_retry_s`). Past the budget the error goes up to the runner, which
-gives the job back to its queue (workers/runner.py `REQUEUED`) instead of acking a job it
-could not end. Other errors are bugs and are never retried.
+gives the job back to its queue (`AttemptOutcome.REQUEUED`, tidegate/records.py)
+instead of acking a job it could not end. Other errors are bugs and are never retried.
 
 tenacity does the retrying: its backoff with jitter, time-bounded stop and thread-local
 state (task threads share one `Retrier`) are what a hand-written loop would redo.

@@ -1,6 +1,6 @@
 """The worker process's entry: `tidegate worker --lane chat --gpu 0` checks its options,
 pins its device and CPU priority, then runs Celery's worker with the threads pool (one
-thread per engine slot) and the hooks of workers/celery_hooks.py.
+thread per engine slot) and the hooks of workers/celery_setup.py.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from tidegate import keys, logs
 from tidegate.lanes import lendable_slots, pool_queue
 from tidegate.niceness import lower_cpu_priority
 from tidegate.settings import Settings, get_settings
-from workers import celery_hooks
+from workers import celery_setup
 from workers import metrics as worker_metrics
+from workers.bootsteps import ENGINES
 
 log = logging.getLogger("tidegate.worker")
 
@@ -77,9 +78,9 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
     settings = get_settings()
     if lane not in settings.lanes:
         raise SystemExit(f"tidegate worker: unknown lane {lane!r}; lanes: {sorted(settings.lanes)}")
-    if engine not in celery_hooks.ENGINES:
+    if engine not in ENGINES:
         raise SystemExit(f"tidegate worker: unknown engine {engine!r}; "
-                         f"engines: {celery_hooks.ENGINES}")
+                         f"engines: {ENGINES}")
     pool = pool or engine
     if pool not in settings.lanes[lane].pools:
         raise SystemExit(f"tidegate worker: lane {lane!r} takes no jobs from pool {pool!r}; "
@@ -101,7 +102,7 @@ def run_worker(celery_app: Celery, lane: str, gpu: str | None, name: str | None,
                     "engine is loaded (in its heartbeat and `tidegate status`)", preferred, port)
     engine_logs_like_ours(settings)
     lower_cpu_priority(settings.lanes[lane].cpu_nice, "the lane's cpu_nice")
-    celery_hooks.register(celery_app)
+    celery_setup.register(celery_app, settings)
     queues = [keys.direct_queue(settings.namespace, name)]
     if not standby:  # a standby worker: engine loaded and warmed, its direct queue only
         queues.insert(0, pool_queue(settings.lanes[lane], pool))

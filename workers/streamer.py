@@ -11,13 +11,13 @@ APPEND_MANY: a Redis command per event was twice the client CPU of one for them 
 A job's task thread wakes at its first token, to write it to the store, and at its end.
 
 Whatever is off that path goes back to the job's task thread, which then publishes the
-rest of its events one at a time as before (workers/runner.py), with its retries, its
+rest of its events one at a time as before (workers/job_stream.py), with its retries, its
 write-back of a stream Redis lost, and its LeaseLost: an append the lease refused, a
 stream gone, a Redis error, a script Redis forgot. The streamer never retries and never
 ends a job.
 
 The streamer also looks for cancels: every CANCEL_CHECK_S, one EXISTS over the cancel
-keys of all its jobs (a cancel's pub/sub broadcast is at most once: workers/runner.py).
+keys of all its jobs (a cancel's pub/sub broadcast is at most once: workers/job_stream.py).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import redis
 
 from tidegate import keys, redisconn
 from tidegate.events import Event
+from tidegate.redisconn import StreamsClient
 from workers.engine import Delta
 from workers.host import merge, name_os_thread
 from workers.progress import Progress
@@ -114,7 +115,7 @@ def by_tag(items: list[T], key_of: Callable[[T], str]) -> list[list[T]]:
 
 
 class Streamer:
-    def __init__(self, client: Any, publisher: EventPublisher,
+    def __init__(self, client: StreamsClient, publisher: EventPublisher,
                  cancel_check_s: float = CANCEL_CHECK_S) -> None:
         self.r = client
         self._sharded = redisconn.is_cluster_client(client)
@@ -142,7 +143,7 @@ class Streamer:
     def open(self, job_id: str, progress: Progress, cancel_key: str) -> Feed:
         """The job's feed. A `started` event the task thread left in `progress.head` goes
         out in the streamer's next batch (else the task thread publishes it before any
-        event of its own, workers/runner.py `_emit`)."""
+        event of its own, workers/job_stream.py `emit`)."""
         feed = Feed(self, job_id, progress, cancel_key, head=progress.head)
         with self._lock:
             self._feeds[job_id] = feed
@@ -258,7 +259,7 @@ class Streamer:
             return [feed for feed in self._feeds.values() if feed.fast]
 
     def _send(self, takes: list[_Take], watched: list[Feed]
-              ) -> tuple[list[list[Any]], list[Feed]]:
+              ) -> tuple[list[list[object]], list[Feed]]:
         """One round trip: every take's appends in one script call, and one EXISTS over the
         cancel keys watched; (the answers of each take's events, head first; the feeds
         whose job was cancelled)."""
@@ -276,7 +277,7 @@ class Streamer:
         for feeds in watch_groups if watched else ():
             pipe.exists(*[feed.cancel_key for feed in feeds])
         # A job's run ends with this batch: its lease renewed in the same round trip, so
-        # the job's end (workers/runner.py `_finish`) need not renew it in one of its own.
+        # the job's end (workers/endings.py `_finish`) need not renew it in one of its own.
         ending = [take for take in takes if take.ended and take.end is None]
         for take in ending:
             take.feed.progress.lease.renew_in(pipe)
@@ -299,7 +300,7 @@ class Streamer:
                 self.publisher.load_append()
         return answers, cancelled
 
-    def _settle(self, take: _Take, answers: list[Any]) -> None:
+    def _settle(self, take: _Take, answers: list[object]) -> None:
         """Under the lock: the answers of the take's events applied to its job."""
         feed = take.feed
         if take.head is not None and self._appended(answers[0]):
@@ -321,7 +322,7 @@ class Streamer:
             self._feeds.pop(feed.job_id, None)
             feed.inbox.put((END, take.end))
 
-    def _appended(self, answer: Any) -> bool:
+    def _appended(self, answer: object) -> bool:
         if answer == 1:
             return True
         if isinstance(answer, redis.exceptions.NoScriptError):
@@ -330,7 +331,7 @@ class Streamer:
 
     def _advance(self, take: _Take) -> None:
         """The job's progress after its event is out, as the task thread's own publishing
-        keeps it (workers/runner.py `_on_delta`)."""
+        keeps it (workers/job_stream.py `on_delta`)."""
         feed, delta = take.feed, take.delta
         assert delta is not None
         progress = feed.progress

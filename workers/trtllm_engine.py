@@ -57,8 +57,10 @@ from workers.engine import (
 )
 from workers.kvcache.policy import MAX_PRIORITY, SessionMeta, retention
 
-if TYPE_CHECKING:
-    from tensorrt_llm.llmapi import KvCacheRetentionConfig
+if TYPE_CHECKING:  # TensorRT-LLM's types (where it is installed: a GPU node)
+    from tensorrt_llm.executor import GenerationResult
+    from tensorrt_llm.llmapi import GuidedDecodingParams, KvCacheRetentionConfig, RequestOutput
+    from tensorrt_llm.llmapi.llm import BaseLLM
 
 log = logging.getLogger("tidegate.trtllm")
 
@@ -135,7 +137,7 @@ def engine_precision(model: str) -> Precision:
     return _algo(quant.get("quant_algo")), _algo(quant.get("kv_cache_quant_algo"))
 
 
-def _algo(value: Any) -> str | None:
+def _algo(value: object) -> str | None:
     return str(value).upper() if value else None  # files write "FP8", "fp8" or null
 
 
@@ -186,7 +188,7 @@ def llm_kwargs(config: EngineConfig, backend: str, found: Precision = (None, Non
 GUIDED_BACKEND = "llguidance"  # as the vLLM adapter's: the widest JSON Schema coverage
 
 
-def guided_decoding(guided: dict[str, Any] | None) -> dict[str, Any]:
+def guided_decoding(guided: dict[str, Any] | None) -> dict[str, GuidedDecodingParams]:
     """SamplingParams' `guided_decoding` for a job's structured output ({"json": schema}
     or {"json_object": True}: api/openai_tools.py), as TensorRT-LLM's GuidedDecodingParams
     takes it (the same field names); {} for none."""
@@ -324,7 +326,7 @@ class TrtllmEngine:
         self.config = config
         self.backend = backend  # None: chosen from the model directory at start
         self._llm: Any = None
-        self._results: dict[str, Any] = {}  # request id -> GenerationResult, while it runs
+        self._results: dict[str, GenerationResult] = {}  # request id -> its result, while it runs
         self._lock = threading.Lock()  # stats() is called from heartbeat threads
         self._stats = EngineStats(kind=self.kind, kv_cache_dtype=config.kv_cache_dtype,
                                   kv_policy=config.kv_policy)
@@ -387,7 +389,7 @@ class TrtllmEngine:
             self._results.pop(request.request_id, None)
             self._settle(result, reason)
 
-    def _submit(self, request: EngineRequest) -> Any:
+    def _submit(self, request: EngineRequest) -> GenerationResult:
         from tensorrt_llm import SamplingParams
 
         ids = self._prompt_ids(request)
@@ -407,7 +409,7 @@ class TrtllmEngine:
         ids = list(self._llm.tokenizer.encode(request.prompt))
         return ids + list(request.resume_token_ids)
 
-    def _settle(self, result: Any, reason: str | None) -> None:
+    def _settle(self, result: GenerationResult | None, reason: str | None) -> None:
         """Count how a request ended. No finish reason means the caller stopped reading
         (cancel, deadline): abort it inside the engine, which would otherwise run on."""
         if result is not None and reason is None and not result.finished:
@@ -467,7 +469,7 @@ class TrtllmEngine:
             await asyncio.to_thread(llm.shutdown)  # joins worker processes: off the loop
 
 
-def _make_llm(kwargs: dict[str, Any], backend: str) -> Any:
+def _make_llm(kwargs: dict[str, Any], backend: str) -> BaseLLM:
     from tensorrt_llm.llmapi import KvCacheConfig, QuantAlgo, QuantConfig
 
     args = dict(kwargs)
@@ -484,7 +486,7 @@ def _make_llm(kwargs: dict[str, Any], backend: str) -> Any:
     return LLM(**args)
 
 
-def _delta(out: Any) -> Delta:
+def _delta(out: RequestOutput) -> Delta:
     comp = out.outputs[0]
     finished = bool(out.finished)
     return Delta(

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tidegate import capabilities as cap
 from workers.engine import (
@@ -31,6 +31,16 @@ from workers.engine import (
 )
 from workers.kvcache import stats as alloc_stats
 from workers.kvcache.policy import SessionMeta, retention
+
+if TYPE_CHECKING:  # vLLM's types; vLLM itself loads at the engine's start
+    from vllm.config import StructuredOutputsConfig, VllmConfig
+    from vllm.inputs import TextPrompt, TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.tokenizers import TokenizerLike
+    from vllm.v1.metrics.loggers import StatLoggerBase
+    from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 log = logging.getLogger("tidegate.worker")
 
@@ -68,13 +78,13 @@ class _StatsRecorder:
         self.lock = threading.Lock()
         self.stats = EngineStats(kind="vllm")
 
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+    def factory(self, vllm_config: VllmConfig, engine_index: int = 0) -> StatLoggerBase:
         from vllm.v1.metrics.loggers import StatLoggerBase
 
         recorder = self
 
         class Logger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            def __init__(self, vllm_config: VllmConfig, engine_index: int = 0) -> None:
                 pass
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):  # type: ignore[no-untyped-def]
@@ -85,7 +95,7 @@ class _StatsRecorder:
 
         return Logger(vllm_config, engine_index)
 
-    def record(self, sched: Any, iteration: Any) -> None:
+    def record(self, sched: SchedulerStats | None, iteration: IterationStats | None) -> None:
         with self.lock:
             s = self.stats
             if sched is not None:
@@ -116,7 +126,7 @@ class VllmEngine:
         self._recorder = _StatsRecorder()
         self._capacity_tokens = 0
         self._aborted = 0
-        self._loras: dict[str, Any] = {}  # adapter name -> vLLM LoRARequest
+        self._loras: dict[str, LoRARequest] = {}  # adapter name -> its request
         self.kv_cache_dtype = config.kv_cache_dtype  # what the engine runs, set by start()
         self._alloc_stats_path: Path | None = None  # written by the plugin in the engine core
 
@@ -264,7 +274,7 @@ class VllmEngine:
             if not finished:
                 self._aborted += 1
 
-    def _kv_meta(self, request: EngineRequest) -> dict[str, Any]:
+    def _kv_meta(self, request: EngineRequest) -> dict[str, object]:
         """What the KV plugin tags the request's blocks with when it frees them."""
         meta = SessionMeta(session_id=request.session_id, turn=request.turn,
                            lane=request.lane, warm=request.warm)
@@ -272,14 +282,18 @@ class VllmEngine:
                 "owner": request.session_id or request.request_id,
                 "kv": retention(meta, self.config.kv_params).as_dict()}
 
-    def _prompt(self, request: EngineRequest) -> dict[str, Any]:
+    def _prompt(self, request: EngineRequest) -> TextPrompt | TokensPrompt:
         # vLLM mixes the salt into the first block's hash, which every later block chains
         # from: requests of different salts share no block.
-        salt = {"cache_salt": request.cache_salt} if request.cache_salt else {}
+        prompt: TextPrompt | TokensPrompt
         if not request.resume_token_ids:
-            return {"prompt": request.prompt, **salt}
-        ids = self._llm.get_tokenizer().encode(request.prompt)
-        return {"prompt_token_ids": list(ids) + list(request.resume_token_ids), **salt}
+            prompt = {"prompt": request.prompt}
+        else:
+            ids = self._llm.get_tokenizer().encode(request.prompt)
+            prompt = {"prompt_token_ids": list(ids) + list(request.resume_token_ids)}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        return prompt
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
@@ -366,13 +380,14 @@ def _sampling_extras(request: EngineRequest) -> dict[str, Any]:
 LOGPROB_FLOOR = -9999.0  # vLLM's server's stand-in for -inf, which JSON cannot carry
 
 
-def _logprobs(comp: Any, top: int | None) -> tuple[list[Any], ...] | None:
+def _logprobs(comp: CompletionOutput, top: int | None) -> tuple[list[Any], ...] | None:
     """A CompletionOutput's new tokens' logprobs as the events carry them: [text, logprob,
     [[alternative text, logprob], ...] best first, at most `top`]."""
     if top is None or comp.logprobs is None:
         return None
     out = []
     for token_id, position in zip(comp.token_ids, comp.logprobs, strict=False):
+        assert position is not None  # vLLM fills every position once logprobs are asked
         ranked = sorted(position.items(), key=lambda item: item[1].rank or 0)
         chosen = position.get(token_id)
         alternatives = [[lp.decoded_token or "", max(lp.logprob, LOGPROB_FLOOR)]
@@ -383,24 +398,26 @@ def _logprobs(comp: Any, top: int | None) -> tuple[list[Any], ...] | None:
     return tuple(out)
 
 
-def _delta(out: Any, request: EngineRequest) -> Delta:
+def _delta(out: RequestOutput, request: EngineRequest) -> Delta:
     """One RequestOutput as a Delta. With n > 1, vLLM's parallel sampling sends each
     output step of one choice (its `index`) alone; `finished` once every choice is."""
     comp = out.outputs[0]
+    finished = bool(out.finished)
     reason = comp.finish_reason if out.finished else None
-    common = {"finished": bool(out.finished), "finish_reason": reason,
-              "prompt_tokens": len(out.prompt_token_ids or ()),
-              "cached_tokens": out.num_cached_tokens}
+    prompt_tokens, cached = len(out.prompt_token_ids or ()), out.num_cached_tokens
     if request.n == 1:
         return Delta(text=comp.text, token_ids=tuple(comp.token_ids),
-                     logprobs=_logprobs(comp, request.logprobs), **common)
+                     logprobs=_logprobs(comp, request.logprobs), finished=finished,
+                     finish_reason=reason, prompt_tokens=prompt_tokens, cached_tokens=cached)
     choices = tuple(ChoiceDelta(index=c.index, text=c.text, token_ids=tuple(c.token_ids),
                                 finish_reason=c.finish_reason,
                                 logprobs=_logprobs(c, request.logprobs))
                     for c in out.outputs)
     first = next((c for c in choices if c.index == 0), None)
     return Delta(text=first.text if first else "", token_ids=first.token_ids if first else (),
-                 logprobs=first.logprobs if first else None, choices=choices, **common)
+                 logprobs=first.logprobs if first else None, choices=choices,
+                 finished=finished, finish_reason=reason, prompt_tokens=prompt_tokens,
+                 cached_tokens=cached)
 
 
 def _check_tool_parsers(names: tuple[str, ...]) -> None:
@@ -417,7 +434,7 @@ def _check_tool_parsers(names: tuple[str, ...]) -> None:
                           f"({', '.join(sorted(known))})")
 
 
-def _structured_config() -> Any:
+def _structured_config() -> StructuredOutputsConfig:
     from vllm.config import StructuredOutputsConfig
 
     # llguidance: it takes the widest range of JSON Schema (xgrammar, vLLM's first choice,
@@ -426,7 +443,7 @@ def _structured_config() -> Any:
     return StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
 
 
-def _structured(guided: dict[str, Any] | None) -> Any:
+def _structured(guided: dict[str, Any] | None) -> StructuredOutputsParams | None:
     """vLLM's structured-output constraint from the job's (api/openai_tools.py)."""
     if not guided:
         return None
@@ -442,7 +459,7 @@ class _ToolStream:
     content, and the calls ride in `tool_calls` (the job's token events, tidegate/events.py).
     """
 
-    def __init__(self, spec: dict[str, Any], tokenizer: Any) -> None:
+    def __init__(self, spec: dict[str, Any], tokenizer: TokenizerLike) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.tool_parsers import ToolParserManager
 

@@ -1,5 +1,5 @@
 """The prompts a worker's engine has warmed and still holds, so that an activation does not
-warm them again (workers/celery_hooks.py `tidegate_warm`).
+warm them again (workers/warming.py, the `tidegate_warm` command).
 
 A warmed prompt stays in the prefix cache until a cached block is evicted or the cache is
 reset: while the engine's eviction count (EngineStats.kv_evictions) has not moved since

@@ -5,7 +5,8 @@ State is derived, not stored, where Celery already knows the truth: a ready work
 `active` while it consumes its pool queue (the scheduler's `add_consumer`), `draining`
 once it stopped consuming it but still runs jobs, `standby` when idle on its direct queue
 alone. Only the phase (`starting`, `ready`, `restarting`, `failed`) and a Celery shutdown
-are set here. Celery reaches this object through `current()`, from workers/celery_hooks.py.
+are set here. Celery reaches this object through `current()`, from the task, the bootstep,
+the signals and the control commands (workers/celery_setup.py registers them).
 
 A dead engine (its process killed or crashed) fails the worker: its heartbeat says
 `failed` at once, so routers and the scheduler pass it by; it stops consuming; the task of
@@ -27,17 +28,22 @@ import threading
 import time
 import uuid
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import redis
+from celery.worker import WorkController
 
 from store import Store
+from tasks.payloads import GeneratePayload
 from tasks.recovery import restore_orphans
 from tidegate import gcfreeze, keys, locks, redisconn
+from tidegate.backoff import Backoff
 from tidegate.fleet import read_heartbeat
 from tidegate.lanes import hosted_lanes, pool_queue
-from tidegate.records import RESTART_EXIT, EngineStats, Heartbeat, WorkerState
+from tidegate.records import RESTART_EXIT, AttemptOutcome, EngineStats, Heartbeat, WorkerState
+from tidegate.redisconn import StreamsClient
 from tidegate.settings import Settings
+from workers.context import WorkerContext
 from workers.engine import Engine, EngineDead
 from workers.faults import StoreFault, TokenHold
 from workers.host import EngineHost
@@ -45,7 +51,7 @@ from workers.lending import Lender
 from workers.metrics import process_metrics
 from workers.publisher import EventPublisher
 from workers.retry import Retrier
-from workers.runner import ENGINE_DEAD, WorkerContext, run_job
+from workers.runner import run_job
 from workers.streamer import Streamer
 
 log = logging.getLogger("tidegate.worker")
@@ -67,7 +73,7 @@ KOMBU_BRPOP_S = 1.5  # kombu's Redis consumer blocks in BRPOP this long at most 
 
 class Worker:
     def __init__(self, settings: Settings, name: str, lane: str, pool: str,
-                 celery_worker: Any) -> None:
+                 celery_worker: WorkController) -> None:
         self.settings, self.name, self.lane, self.pool = settings, name, lane, pool
         self.celery_worker = celery_worker  # for the queues it consumes now
         self.pool_queue = pool_queue(settings.lanes[lane], pool)
@@ -83,13 +89,13 @@ class Worker:
         self.hold = TokenHold()  # fault injection: a job held mid-generation
         self.redis = redisconn.sync_client(settings.redis_url, **settings.redis_timeouts)
         # Jobs' streams, leases and cancel keys: the same client unless they live apart.
-        self.streams: Any = self.redis if not settings.streams_url else \
+        self.streams: StreamsClient = self.redis if not settings.streams_url else \
             redisconn.sync_streams_client(settings.streams_url, **settings.redis_timeouts)
         self.ctx: WorkerContext | None = None  # set once the engine is loaded and warmed
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # jobs in flight went down
         self._in_flight = 0
-        self._outcomes: dict[str, int] = {}
+        self._outcomes: dict[AttemptOutcome, int] = {}
         self._never = threading.Event()  # what a task left to others waits on: forever
         self._left: set[str] = set()  # ids of the jobs left to other workers
         self.lender: Lender | None = None  # a lending lane's: pulls other lanes' jobs
@@ -150,32 +156,32 @@ class Worker:
 
     # -- jobs ------------------------------------------------------------------------
 
-    def run(self, body: dict[str, Any]) -> str:
+    def run(self, payload: GeneratePayload) -> AttemptOutcome:
         """One generate task; returns its outcome. Never returns once the engine died."""
         ctx = self.ctx
         if ctx is None:
             raise RuntimeError("the engine bootstep has not run: start workers with "
                                "`tidegate worker`")
-        job_id = str(body.get("job_id"))
+        job_id = payload.job_id
         if self.phase is Phase.FAILED:  # taken before Celery stopped consuming: not run
             with self._lock:
                 self._left.add(job_id)
             self._leave_to_others()
-        outcome = "error"
+        outcome = AttemptOutcome.ERROR
         with self._lock:
             self._in_flight += 1
         if self.lender is not None:  # counted in flight: no longer a coming borrowed job
             self.lender.started(job_id)
         try:
-            outcome = run_job(ctx, body)
+            outcome = run_job(ctx, payload)
         finally:
             with self._changed:  # left to others before the retiring thread looks
                 self._in_flight -= 1
                 self._outcomes[outcome] = self._outcomes.get(outcome, 0) + 1
-                if outcome == ENGINE_DEAD:
+                if outcome is AttemptOutcome.ENGINE_DEAD:
                     self._left.add(job_id)
                 self._changed.notify_all()
-        if outcome == ENGINE_DEAD:
+        if outcome is AttemptOutcome.ENGINE_DEAD:
             self.engine_died()
             self._leave_to_others()
         return outcome
@@ -245,7 +251,7 @@ class Worker:
     def counts(self) -> tuple[int, dict[str, int]]:
         """Jobs in flight now, and deliveries so far by outcome."""
         with self._lock:
-            return self._in_flight, dict(self._outcomes)
+            return self._in_flight, {k.value: n for k, n in self._outcomes.items()}
 
     # -- state -----------------------------------------------------------------------
 
@@ -382,10 +388,12 @@ class CancelListener(threading.Thread):
         self.r, self.ns, self.host = client, namespace, host
 
     def run(self) -> None:
+        backoff = Backoff()
         while True:  # resubscribe after a dropped connection
             try:
                 pubsub = self.r.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(keys.cancel_channel(self.ns))
+                backoff.reset()
                 while True:
                     message = pubsub.get_message(timeout=1.0)
                     if message is not None:
@@ -394,8 +402,12 @@ class CancelListener(threading.Thread):
                                  extra={"job_id": job_id})
                         self.host.cancel(job_id)
             except redis.RedisError as exc:
-                log.warning("cancel listener lost Redis (%s); resubscribing", exc)
-                time.sleep(1)
+                wait_s = backoff.next_s()
+                log.warning("cancel listener lost Redis (%s); resubscribing in %.1f s", exc,
+                            wait_s)
+                # Cancels missed meanwhile are not lost: each job's task thread and the
+                # streamer poll its cancel key too (workers/job_stream.py).
+                time.sleep(wait_s)
 
 
 _current: Worker | None = None

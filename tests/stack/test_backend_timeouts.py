@@ -257,7 +257,7 @@ def running_job(store: Store) -> tuple[JobRecord, datetime]:
 
 @pytest.mark.parametrize("first_token", ["written", "with the end"])
 def test_a_retried_end_whose_reply_was_lost_reports_done(store: Store, first_token: str) -> None:
-    """As workers/runner.py `_finish` ends a job: the end's arguments built once, then the
+    """As workers/endings.py `_finish` ends a job: the end's arguments built once, then the
     call through the worker's Retrier. Its first try ends the job `done` and loses the
     reply; the retry must say so ((True, the done row)), not that the job had ended
     before, which the runner reads as a cancel landed meanwhile (it then told the consumer

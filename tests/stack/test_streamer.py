@@ -16,11 +16,12 @@ import redis
 from tests.helpers import tool_or_skip
 from tidegate import keys, redisconn
 from tidegate.events import Event
+from tidegate.locks import RELEASE
 from tidegate_tools.procs import Proc, RedisClusterProcs, free_port, redis_cluster, start_redis
-from workers import runner
+from workers import job_stream
 from workers.engine import Delta
 from workers.host import Cancelled
-from workers.lease import RELEASE, Lease, LeaseLost
+from workers.lease import Lease, LeaseLost
 from workers.progress import Progress
 from workers.publisher import EventPublisher, StreamState
 from workers.streamer import CANCELLED, DELTA, END, FIRST, SLOW, Feed, Streamer
@@ -263,7 +264,7 @@ def test_a_batch_whose_reply_was_lost_hands_back_its_event_whole_so_no_token_goe
         client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """Redis appended the batch, then its reply was lost (a timeout): the job goes back to
     its task thread with the tokens as that event carried them, which the task thread's
-    publishing (workers/runner.py `_on_delta`) appends at the same seq: refused as a
+    publishing (workers/job_stream.py `on_delta`) appends at the same seq: refused as a
     duplicate. The stream holds every token once, as the job's progress counts them."""
     publisher = EventPublisher(client, NS, maxlen=10_000, ttl_s=60)
     publisher.load_append()
@@ -283,7 +284,7 @@ def test_a_batch_whose_reply_was_lost_hands_back_its_event_whole_so_no_token_goe
                                       hold=None, store=store)
         handed: list[Delta] = got[0][1]  # type: ignore[assignment]
         for delta in handed:
-            runner._on_delta(task_thread, "job-lost-reply", feed.progress, delta)  # type: ignore[arg-type]
+            job_stream.on_delta(task_thread, "job-lost-reply", feed.progress, delta)  # type: ignore[arg-type]
     finally:
         s.stop()
     events = stream_of(client, "job-lost-reply")

@@ -19,7 +19,9 @@ from tidegate.lanes import Lane, load_lanes
 from tidegate.records import WorkerState
 from tidegate.settings import Settings, SettingsError, get_settings
 from workers.engine import EngineConfig
-from workers.sim_engine import SimEngine, Vocab, load_profile
+from workers.sim_engine import SimEngine
+from workers.sim_profile import load_profile
+from workers.sim_tokens import Vocab
 
 ORIGIN = datetime(2026, 11, 11, 19, 0, tzinfo=UTC)
 WALL0 = 1_800_000_000.0

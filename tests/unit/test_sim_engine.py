@@ -14,7 +14,9 @@ from typing import Any, TypeVar
 import pytest
 
 from workers.engine import Delta, EngineConfig, EngineError, EngineRequest
-from workers.sim_engine import SimEngine, SimProfile, Vocab, load_profile
+from workers.sim_engine import SimEngine
+from workers.sim_profile import SimProfile, load_profile
+from workers.sim_tokens import Vocab
 
 T = TypeVar("T")
 B = 16  # tokens per KV block (the engine's default)

@@ -9,6 +9,7 @@ import pytest
 import redis
 import sqlalchemy.exc
 
+from tidegate.backoff import Backoff
 from workers.retry import Retrier
 
 
@@ -52,3 +53,13 @@ def test_bugs_are_not_retried(error: BaseException) -> None:
     with pytest.raises(type(error)):
         Retrier(5.0)(call, "never")
     assert call.calls == 1
+
+
+def test_a_resubscribe_backs_off_doubling_to_its_cap_with_jitter_and_starts_over() -> None:
+    """tidegate/backoff.py, as the cancel listener waits between resubscribes."""
+    top = Backoff(first_s=0.5, max_s=4.0, rand=lambda: 1.0)
+    assert [top.next_s() for _ in range(6)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    top.reset()
+    assert top.next_s() == 0.5
+    bottom = Backoff(first_s=0.5, max_s=4.0, rand=lambda: 0.0)
+    assert [bottom.next_s() for _ in range(4)] == [0.25, 0.5, 1.0, 2.0]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 from workers.kvcache.policy import DEFAULT_RETENTION, EXPIRED_PRIORITY, Retention
 
@@ -39,13 +39,16 @@ class Block(Protocol):
     block_id: int
 
 
-class SessionFreeQueue:
-    def __init__(self, blocks: list[Any], clock: Callable[[], float] = time.monotonic) -> None:
+B = TypeVar("B", bound=Block)  # vLLM's KVCacheBlock, or the sim engine's (workers/sim_kv.py)
+
+
+class SessionFreeQueue(Generic[B]):
+    def __init__(self, blocks: list[B], clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
         self.num_free_blocks = len(blocks)
-        self._front: OrderedDict[int, Any] = OrderedDict((b.block_id, b) for b in blocks)
+        self._front: OrderedDict[int, B] = OrderedDict((b.block_id, b) for b in blocks)
         # class -> block id -> (block, freed at); each in free order
-        self._classes: dict[ClassKey, OrderedDict[int, tuple[Any, float]]] = {}
+        self._classes: dict[ClassKey, OrderedDict[int, tuple[B, float]]] = {}
         self._class_of: dict[int, ClassKey] = {b.block_id: _FRONT for b in blocks}
         self._owner: dict[int, str] = {}  # block id -> who first filled it
         self._shared: set[int] = set()  # blocks reused by a second owner
@@ -58,7 +61,7 @@ class SessionFreeQueue:
         """Whose blocks the next frees and hits are (until the next tag)."""
         self.retention, self.owner = retention, owner
 
-    def note_use(self, block: Any) -> None:
+    def note_use(self, block: B) -> None:
         """A prefix hit: a block reused by another owner becomes a shared prefix."""
         first = self._owner.setdefault(block.block_id, self.owner)
         if first != self.owner:
@@ -66,7 +69,7 @@ class SessionFreeQueue:
 
     # --- vLLM's FreeKVCacheBlockQueue interface -------------------------------------
 
-    def popleft(self) -> Any:
+    def popleft(self) -> B:
         if self.num_free_blocks == 0:
             raise ValueError("No free blocks available")
         if self._front:
@@ -81,12 +84,12 @@ class SessionFreeQueue:
         self.num_free_blocks -= 1
         return block
 
-    def popleft_n(self, n: int) -> list[Any]:
+    def popleft_n(self, n: int) -> list[B]:
         if n > self.num_free_blocks:
             raise ValueError(f"asked for {n} free blocks, {self.num_free_blocks} free")
         return [self.popleft() for _ in range(n)]
 
-    def remove(self, block: Any) -> None:
+    def remove(self, block: B) -> None:
         key = self._class_of.pop(block.block_id, None)
         if key is None:
             raise RuntimeError(f"remove() called on a block that is not free: {block}")
@@ -96,10 +99,10 @@ class SessionFreeQueue:
             del self._classes[key]
         self.num_free_blocks -= 1
 
-    def append(self, block: Any) -> None:
+    def append(self, block: B) -> None:
         self.append_n([block])
 
-    def append_n(self, blocks: Iterable[Any]) -> None:
+    def append_n(self, blocks: Iterable[B]) -> None:
         """Freed cached blocks, in eviction order (a request's tail first)."""
         now = self.clock()
         r = self.retention
@@ -113,7 +116,7 @@ class SessionFreeQueue:
             self._class_of[block.block_id] = key
             self.num_free_blocks += 1
 
-    def prepend_n(self, blocks: Iterable[Any]) -> None:
+    def prepend_n(self, blocks: Iterable[B]) -> None:
         """Freed blocks without a hash: reused first, the first of `blocks` first."""
         for block in reversed(list(blocks)):
             self._front[block.block_id] = block
@@ -121,11 +124,11 @@ class SessionFreeQueue:
             self._class_of[block.block_id] = _FRONT
             self.num_free_blocks += 1
 
-    def get_all_free_blocks(self) -> list[Any]:
+    def get_all_free_blocks(self) -> list[B]:
         """Every free block in eviction order, as things stand now."""
         return list(self._in_eviction_order())
 
-    def iter_blocks_after(self, cursor: Any | None) -> Iterator[Any]:
+    def iter_blocks_after(self, cursor: B | None) -> Iterator[B]:
         blocks = self._in_eviction_order()
         if cursor is not None:
             for block in blocks:
@@ -154,7 +157,7 @@ class SessionFreeQueue:
         self._owner.pop(block_id, None)
         self._shared.discard(block_id)
 
-    def _in_eviction_order(self) -> Iterator[Any]:
+    def _in_eviction_order(self) -> Iterator[B]:
         yield from self._front.values()
         now = self.clock()
         ranked = [(self._effective(key, freed_at, now), block)

@@ -71,7 +71,8 @@ class SynthParams:
         if self.sessions < 1 or self.arrival_rate <= 0 or self.system_prompts < 1:
             raise ValueError("sessions, arrival_rate and system_prompts must be positive")
 
-    def with_options(self, **options: Any) -> SynthParams:
+    def with_options(self, **options: Any) -> SynthParams:  # dataclasses.replace's
+        """These fields replaced, those given None left as they are (a CLI's unset flags)."""
         return replace(self, **{k: v for k, v in options.items() if v is not None})
 
 

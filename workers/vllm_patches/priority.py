@@ -29,9 +29,14 @@ import functools
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
+from workers.vllm_patches import on_pinned_vllm
+
+if TYPE_CHECKING:  # vLLM's scheduler, which this patch extends (PINNED_VLLM's)
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 log = logging.getLogger("tidegate.vllm")
 
@@ -44,13 +49,8 @@ def register() -> None:
         return
     import vllm
 
-    try:
-        check_version(vllm.__version__)
-    except PatchRefused:
-        log.warning("vLLM %s is not %s: %s is ignored (no preemption for a slot)",
-                    vllm.__version__, PINNED_VLLM, SLOT_PREEMPT_ENV)
-        return
-    _install()
+    if on_pinned_vllm(vllm.__version__, SLOT_PREEMPT_ENV, "no preemption for a slot"):
+        _install()
 
 
 _installed = False
@@ -63,10 +63,10 @@ def _install() -> None:
     _installed = True
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    original = Scheduler.schedule
+    original: Callable[..., SchedulerOutput] = Scheduler.schedule  # its arguments, as given
 
     @functools.wraps(original)
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self: Scheduler, *args: object, **kwargs: object) -> SchedulerOutput:
         make_room(self)
         return original(self, *args, **kwargs)
 
@@ -74,7 +74,7 @@ def _install() -> None:
     log.info("vLLM: a more urgent request preempts a less urgent one for a slot")
 
 
-def make_room(scheduler: Any) -> int:
+def make_room(scheduler: Scheduler) -> int:
     """Preempt, for each waiting request more urgent than the least urgent running one,
     that running one, while every slot is taken. Returns how many were preempted."""
     from vllm.v1.core.sched.request_queue import SchedulingPolicy

@@ -24,12 +24,9 @@ than a patch that breaks a peer vLLM.
 
 from __future__ import annotations
 
-import logging
 import os
 
-from workers.vllm_patches import PINNED_VLLM, PatchRefused, check_version
-
-log = logging.getLogger("tidegate.vllm")
+from workers.vllm_patches import on_pinned_vllm
 
 RECHECK_ENV = "TIDEGATE_VLLM_SHM_RECHECK_MS"
 RECHECK_MS = 20
@@ -42,11 +39,7 @@ def register() -> None:
         return
     import vllm
 
-    try:
-        check_version(vllm.__version__)
-    except PatchRefused:
-        log.warning("vLLM %s is not %s: %s is ignored (vLLM's own shared-memory recheck)",
-                    vllm.__version__, PINNED_VLLM, RECHECK_ENV)
+    if not on_pinned_vllm(vllm.__version__, RECHECK_ENV, "vLLM's own shared-memory recheck"):
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
