@@ -31,7 +31,6 @@ from api.server import SERVER_SEND
 from api.streamhub import stream_hub
 from api.submit import highest_priority
 from api.submit import submit as submit_job
-from scheduler.router import WorkerView
 from store import Store
 from store.usage import Usage
 from tasks.app import make_app, queue_lengths
@@ -41,6 +40,7 @@ from tidegate.fairq import FairPush
 from tidegate.fleet import read_fleet
 from tidegate.ratelimit import RateLimits
 from tidegate.records import JobStatus
+from tidegate.router import WorkerView
 from tidegate.settings import Settings
 
 # Submits run on a few threads of their own, most urgent lane first (api/admission.py):

@@ -30,10 +30,10 @@ from pydantic import (
 from api.errors import ApiError
 from api.openai_tools import ResponseFormat, Tool, ToolCalls, ToolChoice
 from api.schemas import MAX_LOGPROBS, MAX_N, JobRequest, check_text
-from scheduler.router import WorkerView
 from tidegate import capabilities as cap
 from tidegate.events import Event
 from tidegate.lanes import Lane
+from tidegate.router import WorkerView
 from tidegate.settings import Settings
 
 # Extensions: tidegate's own fields, which the SDK sends through `extra_body`.

@@ -72,8 +72,8 @@ from bench.common import (  # noqa: E402
 from scheduler.forecast import forecast, peak_rate_per_s  # noqa: E402
 from scheduler.peaks import PeakWindow, peak_factor, windows_of  # noqa: E402
 from scheduler.planner import Capacity, capacity_from, lead_time_s, plan  # noqa: E402
-from scheduler.router import WorkerView  # noqa: E402
 from tidegate.lanes import Lane, load_lanes  # noqa: E402
+from tidegate.router import WorkerView  # noqa: E402
 from workers.sim_engine import SimProfile, load_profile  # noqa: E402
 
 # -- calibration: one named profile of the sim engine ----------------------------------

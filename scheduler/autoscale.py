@@ -35,12 +35,12 @@ from scheduler import control
 from scheduler.forecast import MINUTE, forecast, minute_of, peak_rate_per_s
 from scheduler.peaks import PeakWindow, peak_factor, windows_of
 from scheduler.planner import Capacity, capacity_from, lead_time_s, plan
-from scheduler.router import DEFAULT_JOB_MS, WorkerView
 from store import Store
 from tidegate import hot, keys
 from tidegate.fleet import read_fleet
 from tidegate.lanes import Lane
 from tidegate.records import WorkerState
+from tidegate.router import DEFAULT_JOB_MS, WorkerView
 from tidegate.settings import Settings
 
 HISTORY = timedelta(days=8)  # last week's same minute, plus the smoothing window

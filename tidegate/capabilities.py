@@ -3,7 +3,7 @@
 Each engine class says which of these it has (`capabilities`, workers/engine.py); a worker
 puts its engine's in its heartbeat (tidegate/records.py), and admission refuses a request
 that needs one no active worker of its lane has: a 400 naming the request's field, before
-any row is written or message sent (api/submit.py `needs`, scheduler/router.py). Without
+any row is written or message sent (api/submit.py `needs`, tidegate/router.py). Without
 the check, the job would be queued and then fail on the worker (a 502 after the wait).
 """
 

@@ -229,7 +229,7 @@ class Lane(BaseModel):
         description="OpenAI-compatible routes: unknown request fields are a 400 naming the field "
         "instead of being ignored (with the x-tidegate-ignored-fields header and a log line).")
 
-    # Work-conserving lanes (scheduler/router.py): a worker of this lane lends its idle
+    # Work-conserving lanes (tidegate/router.py): a worker of this lane lends its idle
     # slots to these lanes' jobs while their own workers have none free. A borrowed job
     # runs at the engine's lowest priority, so this lane's own arrivals preempt it at once.
     lend_to: list[str] = Field(

@@ -111,7 +111,7 @@ class Heartbeat:
     # What its engine can do (tidegate/capabilities.py), sorted; None: a worker older than
     # capabilities, which says nothing and is taken to be able (it refuses on its own).
     capabilities: tuple[str, ...] | None = None
-    borrowed: int = 0  # other lanes' jobs running on slots it lent (scheduler/router.py)
+    borrowed: int = 0  # other lanes' jobs running on slots it lent (tidegate/router.py)
 
     def to_json(self) -> str:
         body = asdict(self)
