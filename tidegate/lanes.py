@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from datetime import datetime, time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -302,7 +302,7 @@ class LanesConfigError(ValueError):
     """The lanes file is missing or wrong; the message names the lane and field."""
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> dict[str, object]:
     try:
         return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

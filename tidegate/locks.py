@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import uuid
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis
+
+if TYPE_CHECKING:
+    from tidegate.redisconn import StreamsClient, StreamsPipeline
 
 # Compare-and-delete: the GET-then-DEL of two calls lets a lock that expired between them
 # (and was taken by another holder) be deleted from under its new holder.
@@ -44,7 +47,7 @@ def new_token(owner: str = "") -> str:
 class RedisLock:
     """One key, one holder at a time, for at most `ttl_s` unless extended."""
 
-    def __init__(self, client: redis.Redis, key: str, ttl_s: float,
+    def __init__(self, client: StreamsClient, key: str, ttl_s: float,
                  token: str | None = None) -> None:
         self.client, self.key = client, key
         self.ttl_ms = max(1, int(ttl_s * 1000))
@@ -55,7 +58,7 @@ class RedisLock:
         self.held = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
         return self.held
 
-    def acquire_in(self, pipe: Any) -> None:
+    def acquire_in(self, pipe: StreamsPipeline) -> None:
         """acquire() queued on a pipeline (the caller reads the reply)."""
         pipe.set(self.key, self.token, nx=True, px=self.ttl_ms)
 

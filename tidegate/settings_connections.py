@@ -120,7 +120,7 @@ class ConnectionSettings(BaseModel):
         return v
 
     @property
-    def redis_timeouts(self) -> dict[str, float]:
+    def redis_timeouts(self) -> redisconn.Timeouts:
         """redis-py's timeout options: `redisconn.sync_client(url, **redis_timeouts)`."""
         return redisconn.timeouts(self.redis_connect_timeout_s, self.redis_socket_timeout_s)
 
