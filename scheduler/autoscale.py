@@ -27,8 +27,9 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
+import redis
 from celery import Celery
 
 from scheduler import control
@@ -67,13 +68,13 @@ def flush_arrivals(client: Any, store: Store, settings: Settings) -> int:
     return moved
 
 
-def hot_prefixes(client: Any, settings: Settings, lane: str) -> list[str]:
+def hot_prefixes(client: redis.Redis, settings: Settings, lane: str) -> list[str]:
     return hot.read(client, settings.namespace, lane, HOT_PREFIXES)
 
 
-def activation_s(client: Any, settings: Settings) -> float:
+def activation_s(client: redis.Redis, settings: Settings) -> float:
     """A high percentile of measured activations: a late worker is what hurts."""
-    raw = client.lrange(keys.activation_times(settings.namespace), 0, -1)
+    raw = cast(list[bytes], client.lrange(keys.activation_times(settings.namespace), 0, -1))
     times = sorted(float(x) for x in raw)
     return times[int(0.9 * (len(times) - 1))] if times else DEFAULT_ACTIVATION_S
 
@@ -136,7 +137,7 @@ def _standby_capacity(views: list[WorkerView], lane: str) -> Capacity:
     return Capacity(per_worker_rps=slots / service_s, mean_service_s=service_s, slots=slots)
 
 
-def autoscale(app: Celery, client: Any, store: Store, settings: Settings,
+def autoscale(app: Celery, client: redis.Redis, store: Store, settings: Settings,
               now: datetime | None = None) -> list[dict[str, Any]]:
     clock = settings.clock
     now = now or clock.now()
@@ -158,7 +159,7 @@ def autoscale(app: Celery, client: Any, store: Store, settings: Settings,
     return actions
 
 
-def record_plan(client: Any, settings: Settings, lane: Lane, now: datetime, p: LanePlan,
+def record_plan(client: redis.Redis, settings: Settings, lane: Lane, now: datetime, p: LanePlan,
                 held: dict[str, int]) -> None:
     """The tick's plan for the lane, for a node autoscaler (`short`), `tidegate status`
     and the festival replay's report."""
@@ -171,7 +172,7 @@ def record_plan(client: Any, settings: Settings, lane: Lane, now: datetime, p: L
                 maxlen=keys.PLANS_MAXLEN, approximate=True)
 
 
-def _activate(app: Celery, client: Any, settings: Settings, lane: Lane, worker: WorkerView,
+def _activate(app: Celery, client: redis.Redis, settings: Settings, lane: Lane, worker: WorkerView,
               want: int, rate: float) -> dict[str, Any]:
     started = time.monotonic()
     ok = control.activate(app, client, settings, worker.name, lane.name, worker.pool,

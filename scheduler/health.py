@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
+import redis
 from celery import Celery
 
 from scheduler import control
@@ -23,7 +24,7 @@ from tidegate.settings import Settings
 STRIKES_TO_ACT = 2  # consecutive checks over the threshold before acting
 
 
-def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
+def check(app: Celery, client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
     fleet = read_fleet(client, settings.namespace)
     actions: list[dict[str, Any]] = []
     for hb in fleet:
@@ -34,14 +35,14 @@ def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
         if latency <= settings.alloc_latency_threshold_ms:
             client.delete(strikes_key)
             continue
-        strikes = int(client.hincrby(strikes_key, "strikes", 1))
+        strikes = cast(int, client.hincrby(strikes_key, "strikes", 1))
         client.expire(strikes_key, keys.HEALTH_STRIKES_TTL_S)
         if strikes >= STRIKES_TO_ACT:
             actions.append(_act(app, client, settings, hb, fleet, latency))
     return actions
 
 
-def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
+def _act(app: Celery, client: redis.Redis, settings: Settings, hb: Heartbeat,
          fleet: list[Heartbeat], latency: float) -> dict[str, Any]:
     name = hb.name
     strikes_key = keys.health_strikes(settings.namespace, name)
@@ -68,7 +69,7 @@ def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
         client.delete(strikes_key)
 
 
-def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str) -> bool:
+def _wait_restarted(client: redis.Redis, settings: Settings, name: str, old_boot: str) -> bool:
     """Until the worker heartbeats from a new process with its engine loaded."""
     end = time.monotonic() + settings.restart_timeout_s
     while time.monotonic() < end:
@@ -79,7 +80,7 @@ def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str) -
     return False
 
 
-def rolling_restart(app: Celery, client: Any, settings: Settings,
+def rolling_restart(app: Celery, client: redis.Redis, settings: Settings,
                     hb: Heartbeat) -> dict[str, Any]:
     name, lane, pool = hb.name, hb.lane, hb.pool
     drained = control.deactivate(app, client, settings, name, lane, pool)

@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+import redis
 from celery import Celery
 
 from scheduler import autoscale, control, health, metrics, reconcile, retention
@@ -39,7 +40,7 @@ def scheduler_queue(settings: Settings) -> str:
     return f"{settings.namespace}.scheduler"
 
 
-def take_period(client: Any, namespace: str, name: str, period_s: float) -> int | None:
+def take_period(client: redis.Redis, namespace: str, name: str, period_s: float) -> int | None:
     """The current period's number if this process is the one to act in it, else None."""
     period = int(time.time() // period_s)
     if locks.take_period(client, keys.scheduler_lock(namespace, name, period), period_s):
@@ -47,7 +48,7 @@ def take_period(client: Any, namespace: str, name: str, period_s: float) -> int 
     return None
 
 
-def record_action(client: Any, namespace: str, action: dict[str, Any]) -> None:
+def record_action(client: redis.Redis, namespace: str, action: dict[str, Any]) -> None:
     """Every action the scheduler takes, for `tidegate status`, Flower and the tests."""
     body = {"ts": time.time(), **action}
     log.info("scheduler action: %s", json.dumps(body))
@@ -55,7 +56,7 @@ def record_action(client: Any, namespace: str, action: dict[str, Any]) -> None:
                 maxlen=keys.ACTIONS_MAXLEN, approximate=True)
 
 
-def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def tick(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> dict[str, Any]:
     """One scheduler period: sample traffic, re-apply desired states, pre-warm ahead of
     the forecast, watch health. The returned actions show in Flower as the task result."""
     period = take_period(client, settings.namespace, "tick", settings.scheduler_tick_s)
@@ -74,7 +75,8 @@ def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str
     return {"acted": True, "period": period, "arrivals_sampled": arrivals, "actions": actions}
 
 
-def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def reconcile_pass(app: Celery, client: redis.Redis, store: Store,
+                   settings: Settings) -> dict[str, Any]:
     """One reconciler pass per period, by one scheduler; its actions are recorded."""
     if take_period(client, settings.namespace, "reconcile", settings.reconcile_s) is None:
         return {"acted": False}
@@ -85,7 +87,7 @@ def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -
     return result
 
 
-def purge_pass(client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def purge_pass(client: redis.Redis, store: Store, settings: Settings) -> dict[str, Any]:
     """One retention purge per period, by one scheduler; what it removed is recorded."""
     if take_period(client, settings.namespace, "purge", settings.retention_purge_s) is None:
         return {"acted": False}
