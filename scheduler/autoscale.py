@@ -138,7 +138,7 @@ def _standby_capacity(views: list[WorkerView], lane: str) -> Capacity:
 
 
 def autoscale(app: Celery, client: redis.Redis, store: Store, settings: Settings,
-              now: datetime | None = None) -> list[dict[str, Any]]:
+              now: datetime | None = None) -> list[dict[str, object]]:
     clock = settings.clock
     now = now or clock.now()
     heartbeats = read_fleet(client, settings.namespace)
@@ -173,7 +173,7 @@ def record_plan(client: redis.Redis, settings: Settings, lane: Lane, now: dateti
 
 
 def _activate(app: Celery, client: redis.Redis, settings: Settings, lane: Lane, worker: WorkerView,
-              want: int, rate: float) -> dict[str, Any]:
+              want: int, rate: float) -> dict[str, object]:
     started = time.monotonic()
     ok = control.activate(app, client, settings, worker.name, lane.name, worker.pool,
                           warm_prompts=lane.warm_prompts,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any, cast
+from typing import cast
 
 import redis
 from celery import Celery
@@ -24,9 +24,9 @@ from tidegate.settings import Settings
 STRIKES_TO_ACT = 2  # consecutive checks over the threshold before acting
 
 
-def check(app: Celery, client: redis.Redis, settings: Settings) -> list[dict[str, Any]]:
+def check(app: Celery, client: redis.Redis, settings: Settings) -> list[dict[str, object]]:
     fleet = read_fleet(client, settings.namespace)
-    actions: list[dict[str, Any]] = []
+    actions: list[dict[str, object]] = []
     for hb in fleet:
         latency = hb.stats.avg_cache_allocation_latency_ms if hb.stats else None
         if hb.state != WorkerState.ACTIVE or latency is None:
@@ -43,7 +43,7 @@ def check(app: Celery, client: redis.Redis, settings: Settings) -> list[dict[str
 
 
 def _act(app: Celery, client: redis.Redis, settings: Settings, hb: Heartbeat,
-         fleet: list[Heartbeat], latency: float) -> dict[str, Any]:
+         fleet: list[Heartbeat], latency: float) -> dict[str, object]:
     name = hb.name
     strikes_key = keys.health_strikes(settings.namespace, name)
     base = {"worker": name, "alloc_latency_ms": latency}
@@ -81,7 +81,7 @@ def _wait_restarted(client: redis.Redis, settings: Settings, name: str, old_boot
 
 
 def rolling_restart(app: Celery, client: redis.Redis, settings: Settings,
-                    hb: Heartbeat) -> dict[str, Any]:
+                    hb: Heartbeat) -> dict[str, object]:
     name, lane, pool = hb.name, hb.lane, hb.pool
     drained = control.deactivate(app, client, settings, name, lane, pool)
     app.control.broadcast("tidegate_restart_engine", destination=[name], reply=True,

@@ -11,9 +11,8 @@ queues, so its messages are counted there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any
 
 import redis
 from prometheus_client import (
@@ -43,7 +42,7 @@ RECOVERIES = Counter("tidegate_recoveries_total", "Reconciler actions of this sc
                      ["action"], registry=REGISTRY)
 
 
-def count_recovery(action: dict[str, Any]) -> None:
+def count_recovery(action: Mapping[str, object]) -> None:
     RECOVERIES.labels(str(action.get("action", "unknown"))).inc()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
 
 import redis
 from celery import Celery
@@ -48,7 +48,8 @@ def take_period(client: redis.Redis, namespace: str, name: str, period_s: float)
     return None
 
 
-def record_action(client: redis.Redis, namespace: str, action: dict[str, Any]) -> None:
+def record_action(client: redis.Redis, namespace: str,
+                  action: Mapping[str, object]) -> None:
     """Every action the scheduler takes, for `tidegate status`, Flower and the tests."""
     body = {"ts": time.time(), **action}
     log.info("scheduler action: %s", json.dumps(body))
@@ -56,7 +57,7 @@ def record_action(client: redis.Redis, namespace: str, action: dict[str, Any]) -
                 maxlen=keys.ACTIONS_MAXLEN, approximate=True)
 
 
-def tick(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> dict[str, Any]:
+def tick(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> dict[str, object]:
     """One scheduler period: sample traffic, re-apply desired states, pre-warm ahead of
     the forecast, watch health. The returned actions show in Flower as the task result."""
     period = take_period(client, settings.namespace, "tick", settings.scheduler_tick_s)
@@ -64,7 +65,7 @@ def tick(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> 
         client.incr(keys.scheduler_lock(settings.namespace, "skipped", 0))
         return {"acted": False}
     record_action(client, settings.namespace, {"action": "tick", "period": period})
-    actions: list[dict[str, Any]] = []
+    actions: list[dict[str, object]] = []
     arrivals = autoscale.flush_arrivals(client, store, settings)
     actions += [{"action": "reconcile", "detail": note}
                 for note in control.reconcile(app, client, settings)]
@@ -76,7 +77,7 @@ def tick(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> 
 
 
 def reconcile_pass(app: Celery, client: redis.Redis, store: Store,
-                   settings: Settings) -> dict[str, Any]:
+                   settings: Settings) -> Mapping[str, object]:
     """One reconciler pass per period, by one scheduler; its actions are recorded."""
     if take_period(client, settings.namespace, "reconcile", settings.reconcile_s) is None:
         return {"acted": False}
@@ -87,7 +88,7 @@ def reconcile_pass(app: Celery, client: redis.Redis, store: Store,
     return result
 
 
-def purge_pass(client: redis.Redis, store: Store, settings: Settings) -> dict[str, Any]:
+def purge_pass(client: redis.Redis, store: Store, settings: Settings) -> dict[str, object]:
     """One retention purge per period, by one scheduler; what it removed is recorded."""
     if take_period(client, settings.namespace, "purge", settings.retention_purge_s) is None:
         return {"acted": False}
@@ -114,15 +115,15 @@ def make_scheduler_app(settings: Settings) -> Celery:
     store = Store(settings.db_url, **settings.store_timeouts)
 
     @app.task(name=TICK, ignore_result=True, acks_late=False)
-    def _tick() -> dict[str, Any]:
+    def _tick() -> dict[str, object]:
         return tick(app, client, store, settings)
 
     @app.task(name=RECONCILE, ignore_result=True, acks_late=False)
-    def _reconcile() -> dict[str, Any]:
+    def _reconcile() -> Mapping[str, object]:
         return reconcile_pass(app, client, store, settings)
 
     @app.task(name=PURGE, ignore_result=True, acks_late=False)
-    def _purge() -> dict[str, Any]:
+    def _purge() -> dict[str, object]:
         return purge_pass(client, store, settings)
 
     return app
