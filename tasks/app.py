@@ -103,11 +103,11 @@ def run_celery(app: Celery, argv: list[str]) -> None:
     app.start(["-q", *argv])
 
 
-def _logging_is_set_up(**_: Any) -> None:
+def _logging_is_set_up(**_: object) -> None:
     """Celery's setup_logging signal: nothing to do, tidegate.logs did it."""
 
 
-def _quiet_shutdown(sender: Any = None, **_: Any) -> None:
+def _quiet_shutdown(sender: object = None, **_: object) -> None:
     from celery.apps.worker import install_worker_term_handler
 
     worker = getattr(sender, "controller", None)  # the consumer's WorkController

@@ -110,7 +110,7 @@ def bounds(info: FieldInfo) -> str:
     return ", ".join(text)
 
 
-def _mark(marks: dict[str, Any], *kinds: tuple[str, str, str]) -> tuple[str, Any]:
+def _mark(marks: dict[str, object], *kinds: tuple[str, str, str]) -> tuple[str, Any]:
     """The first of `kinds` (annotated_types class, its sign, its attribute) present."""
     for kind, sign, attr in kinds:
         if kind in marks:
