@@ -110,14 +110,6 @@ class _SentinelOptions(Timeouts, total=False):
     password: str
 
 
-class _MasterAuth(TypedDict):
-    """The master's DB and credentials, from a Sentinel URL."""
-
-    db: int
-    username: str | None
-    password: str | None
-
-
 class _ClusterOptions(Timeouts, total=False):
     """A Redis Cluster client's options, from a `redis+cluster://` URL."""
 
@@ -230,7 +222,7 @@ def _sentinel_kwargs(target: SentinelTarget, bounds: Timeouts,
     return out
 
 
-def _master_kwargs(target: SentinelTarget) -> _MasterAuth:
+def _master_kwargs(target: SentinelTarget) -> dict[str, int | str | None]:
     return {"db": target.db, "username": target.username, "password": target.password}
 
 
@@ -281,14 +273,6 @@ def sync_client(url: str, *, socket_connect_timeout: float = CONNECT_TIMEOUT_S,
         target.master, connection_class=_FailoverConnection, **_master_kwargs(target)))
 
 
-class _PoolOptions(TypedDict, total=False):
-    """An asyncio client's pool: its bound, and (a blocking pool) the wait for a free
-    connection."""
-
-    max_connections: int | None
-    timeout: float
-
-
 class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
     """Sentinel's master lookup (its connection class and ownership check) with the
     blocking pool's bounded wait for a free connection."""
@@ -303,14 +287,14 @@ def async_client(url: str, *, max_connections: int | None = None,
     fails with ConnectionError; without, a full pool fails at once. The timeouts default
     to `timeouts()`."""
     options = timeouts(socket_connect_timeout, socket_timeout)
-    pool_kwargs = _PoolOptions(max_connections=max_connections)
+    pool_kwargs: dict[str, float | None] = {"max_connections": max_connections}
     if pool_timeout_s is not None:  # a blocking pool
-        pool_kwargs = _PoolOptions(max_connections=max_connections or 50, timeout=pool_timeout_s)
+        pool_kwargs = {"max_connections": max_connections or 50, "timeout": pool_timeout_s}
     if not is_sentinel(url):
         if pool_timeout_s is not None:
             pool = aioredis.BlockingConnectionPool.from_url(url, **pool_kwargs, **options)
             return aioredis.Redis.from_pool(pool)
-        return aioredis.Redis.from_url(url, **pool_kwargs, **options)
+        return aioredis.Redis.from_url(url, max_connections=max_connections, **options)
     target = parse_sentinel(url)
     sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
         list(target.sentinels),
