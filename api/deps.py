@@ -33,7 +33,6 @@ from api.sse import error_frame
 from api.streamhub import stream_hub
 from api.submit import highest_priority
 from api.submit import submit as submit_job
-from scheduler.router import WorkerView
 from store import JobRecord, Store
 from store.usage import Usage
 from tasks.app import make_app, queue_lengths
@@ -44,6 +43,7 @@ from tidegate.fleet import read_fleet
 from tidegate.jsontypes import JSONObject
 from tidegate.ratelimit import RateLimits
 from tidegate.records import JobStatus
+from tidegate.router import WorkerView
 from tidegate.settings import Settings
 
 # Submits run on a few threads of their own, most urgent lane first (api/admission.py):

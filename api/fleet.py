@@ -19,11 +19,11 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from scheduler.router import WorkerView
 from tidegate import keys
 from tidegate.jsontypes import JSONObject
 from tidegate.lanes import Lane
 from tidegate.records import Heartbeat, WorkerState
+from tidegate.router import WorkerView
 
 log = logging.getLogger("tidegate.api")
 
@@ -96,7 +96,7 @@ class FleetCache:
 
 
 class LentSlots:
-    """The borrowed jobs this process sent to each worker (scheduler/router.py, step 4)
+    """The borrowed jobs this process sent to each worker (tidegate/router.py, step 4)
     that the worker's last beat may not show yet. A beat is up to `heartbeat_s` old: without
     this count one idle slot would draw every borrower of a burst. A send is forgotten once
     a beat `margin_s` younger than it came (the beat then counts the job, running or

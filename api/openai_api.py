@@ -28,9 +28,9 @@ from api.openai_models import (
     bad,
 )
 from api.schemas import JobRequest, check_text
-from scheduler.router import WorkerView
 from tidegate.jsontypes import JSONObject
 from tidegate.lanes import Lane
+from tidegate.router import WorkerView
 from tidegate.settings import Settings
 
 DEFAULT_TIER = "auto"

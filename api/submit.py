@@ -40,13 +40,12 @@ from api.fleet import LentSlots
 from api.metrics import ApiMetrics
 from api.prompts import PromptRenderer
 from api.schemas import JobAccepted, JobRequest
-from scheduler import router
 from store import JobRecord, SessionRecord, Store
 from tasks import webhooks
 from tasks.app import generate_message, push_generate, send_generate, writes_to
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import capabilities as cap
-from tidegate import fairq, hot, keys, ratelimit, tracing
+from tidegate import fairq, hot, keys, ratelimit, router, tracing
 from tidegate.fairq import FairPush
 from tidegate.lanes import Lane, lenders_of, pool_queue, redis_priority
 from tidegate.settings import Settings
@@ -70,7 +69,7 @@ class SubmitDeps(Protocol):
     backlogs: limits.Backlogs
     rate_limits: ratelimit.RateLimits  # per-minute limits, on Redis
     month_usage: limits.MonthUsage  # tokens this month, per tenant (the usage ledger)
-    lent: LentSlots  # borrowed jobs sent to lenders since their beats (scheduler/router.py)
+    lent: LentSlots  # borrowed jobs sent to lenders since their beats (tidegate/router.py)
 
     def fleet(self) -> list[router.WorkerView]: ...
 

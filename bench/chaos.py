@@ -29,6 +29,11 @@ Needs PostgreSQL's server binaries (Debian's postgresql package, /usr/lib/postgr
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/chaos.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.chaos, then exits
+
 import argparse
 import asyncio
 import contextlib
@@ -45,17 +50,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
+import httpx
+import psutil
+import redis
+from tidegate_client import StreamError
+from tidegate_client.client import _SseParser
 
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-import redis  # noqa: E402
-from tidegate_client import StreamError  # noqa: E402
-from tidegate_client.client import _SseParser  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
     fmt,
     log,
@@ -66,12 +67,12 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.stack import MODEL, exit_cleanly_on_signals, tidegate_env  # noqa: E402
-from tidegate import keys  # noqa: E402
-from tidegate.events import Event  # noqa: E402
-from tidegate.fleet import read_heartbeat  # noqa: E402
-from tidegate.records import WorkerState  # noqa: E402
-from tidegate_tools.procs import (  # noqa: E402
+from bench.stack import MODEL, exit_cleanly_on_signals, tidegate_env
+from tidegate import keys
+from tidegate.events import Event
+from tidegate.fleet import read_heartbeat
+from tidegate.records import WorkerState
+from tidegate_tools.procs import (
     Proc,
     free_port,
     start_api,

@@ -16,17 +16,20 @@ Writes bench/results/coldstart.{md,png,json}; the last stdout line is the JSON w
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/coldstart.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.coldstart, then exits
+
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tidegate_client import Client, TidegateError
 
-from tidegate_client import Client, TidegateError  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
     fmt,
     log,
@@ -37,9 +40,9 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.stack import NAMESPACE, exit_cleanly_on_signals, tidegate_env  # noqa: E402
-from tidegate_tools.procs import start_worker, wait_until  # noqa: E402
-from tidegate_tools.stack import running_stack  # noqa: E402
+from bench.stack import NAMESPACE, exit_cleanly_on_signals, tidegate_env
+from tidegate_tools.procs import start_worker, wait_until
+from tidegate_tools.stack import running_stack
 
 LANE, POOL = "chat", "vllm"
 COLD_RUNS, STANDBY_RUNS = 2, 3

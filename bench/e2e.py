@@ -14,16 +14,16 @@ Writes bench/results/e2e.{md,png,json}; the last stdout line is the JSON summary
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/e2e.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.e2e, then exits
+
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
-
-from bench.common import fmt, markdown_table, ratio  # noqa: E402
-from bench.stack import (  # noqa: E402
+from bench.common import fmt, markdown_table, ratio
+from bench.stack import (
     DTYPE,
     MAX_TOKENS,
     LoadFn,

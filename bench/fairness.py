@@ -34,6 +34,11 @@ Writes bench/results/fairness.{md,png,json}; the last stdout line is the JSON su
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/fairness.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.fairness, then exits
+
 import argparse
 import asyncio
 import random
@@ -48,14 +53,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
+import httpx
+from tidegate_client import AsyncClient
 
-import httpx  # noqa: E402
-from tidegate_client import AsyncClient  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     fmt,
     log,
     machine,
@@ -67,7 +68,7 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.stack import (  # noqa: E402
+from bench.stack import (
     MODEL,
     RESULTS,
     START_TIMEOUT_S,
@@ -79,7 +80,7 @@ from bench.stack import (  # noqa: E402
     tidegate_env,
     tidegate_request,
 )
-from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
+from tidegate_tools.stack import WorkerSpec, running_stack
 
 PROFILE = "paced"  # workers/sim_profiles.toml
 SLOTS = 32

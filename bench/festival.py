@@ -51,6 +51,11 @@ ahead of the festival, its standby worker-hours, and its forecast against the ar
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/festival.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.festival, then exits
+
 import argparse
 import asyncio
 import contextlib
@@ -70,12 +75,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
+    ROOT,
     fmt,
     log,
     machine,
@@ -86,13 +88,13 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.frontdoor import Client, JobTrace  # noqa: E402
-from bench.stack import bench_database, tidegate_env  # noqa: E402
-from scheduler.peaks import PeakWindow, peak_factor  # noqa: E402
-from tidegate import keys, redisconn  # noqa: E402
-from tidegate.fleet import read_fleet  # noqa: E402
-from tidegate.lanes import load_lanes, pool_queue  # noqa: E402
-from tidegate_tools.procs import (  # noqa: E402
+from bench.frontdoor import Client, JobTrace
+from bench.stack import bench_database, tidegate_env
+from scheduler.peaks import PeakWindow, peak_factor
+from tidegate import keys, redisconn
+from tidegate.fleet import read_fleet
+from tidegate.lanes import load_lanes, pool_queue
+from tidegate_tools.procs import (
     Proc,
     free_port,
     start_api,
@@ -101,8 +103,8 @@ from tidegate_tools.procs import (  # noqa: E402
     start_worker,
     wait_until,
 )
-from tidegate_tools.stack import api_ready  # noqa: E402
-from workers.sim_profile import load_profile  # noqa: E402
+from tidegate_tools.stack import api_ready
+from workers.sim_profile import load_profile
 
 PROFILE = "festival-replay"  # workers/sim_profiles.toml
 SLOTS = 4  # engine slots of a sim worker: few, so the machine is not the bottleneck

@@ -46,6 +46,11 @@ another sim profile or a spread); the last stdout line is the JSON summary.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/frontdoor.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.frontdoor, then exits
+
 import argparse
 import asyncio
 import contextlib
@@ -63,15 +68,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
+import aiohttp
+import psutil
+from redis.crc import key_slot
 
-import aiohttp  # noqa: E402
-import psutil  # noqa: E402
-from redis.crc import key_slot  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
     fmt,
     log,
@@ -83,7 +84,7 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.stack import (  # noqa: E402
+from bench.stack import (
     MODEL,
     bench_database,
     busy_neighbours,
@@ -91,11 +92,11 @@ from bench.stack import (  # noqa: E402
     load_average,
     tidegate_env,
 )
-from tidegate import keys  # noqa: E402
-from tidegate_tools.procs import Proc, RedisClusterProcs, redis_cluster  # noqa: E402
-from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
-from workers.engine import EngineError  # noqa: E402
-from workers.sim_profile import load_profile  # noqa: E402
+from tidegate import keys
+from tidegate_tools.procs import Proc, RedisClusterProcs, redis_cluster
+from tidegate_tools.stack import WorkerSpec, running_stack
+from workers.engine import EngineError
+from workers.sim_profile import load_profile
 
 NAMESPACE = "tgbench"  # bench/stack.py's tidegate_env
 PROFILE = "llama-3.1-8b-fp8-h100"

@@ -23,19 +23,21 @@ Writes bench/results/kv.{md,png,json}; the last stdout line is the JSON summary.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/kv.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.kv, then exits
+
 import dataclasses
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tidegate_client import Client
 
-from tidegate_client import Client  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
     fmt,
     log,
@@ -46,13 +48,13 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.stack import MODEL, exit_cleanly_on_signals, tidegate_stack  # noqa: E402
-from tidegate.lanes import KvPolicy  # noqa: E402
-from workers.kvcache.policy import SessionMeta  # noqa: E402
-from workers.kvcache.sim import SimResult, replay  # noqa: E402
-from workers.kvcache.synth import SynthParams, synthesize  # noqa: E402
-from workers.kvcache.textgen import BlockText  # noqa: E402
-from workers.kvcache.trace import TraceRequest, session_metas  # noqa: E402
+from bench.stack import MODEL, exit_cleanly_on_signals, tidegate_stack
+from tidegate.lanes import KvPolicy
+from workers.kvcache.policy import SessionMeta
+from workers.kvcache.sim import SimResult, replay
+from workers.kvcache.synth import SynthParams, synthesize
+from workers.kvcache.textgen import BlockText
+from workers.kvcache.trace import TraceRequest, session_metas
 
 TRACES = {
     "trace 1: customer service": SynthParams(),

@@ -24,18 +24,19 @@ Writes bench/results/lanes.{md,png,json}; the last stdout line is the JSON summa
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/lanes.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.lanes, then exits
+
 import argparse
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
-
-from bench.common import fmt, markdown_table, ratio  # noqa: E402
-from bench.stack import (  # noqa: E402
+from bench.common import ROOT, fmt, markdown_table, ratio
+from bench.stack import (
     DTYPE,
     LoadFn,
     Measured,
@@ -53,7 +54,7 @@ from bench.stack import (  # noqa: E402
     tidegate_phases,
     ttfts,
 )
-from tidegate.lanes import load_lanes  # noqa: E402
+from tidegate.lanes import load_lanes
 
 LANES = ("finance", "chat")
 # Tokens generated per request, to the end (the test checkpoint emits no EOS): a finance

@@ -41,6 +41,11 @@ summary. All traffic goes to 127.0.0.1; every process started is stopped on the 
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/noisy_neighbour.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.noisy_neighbour, then exits
+
 import argparse
 import asyncio
 import contextlib
@@ -61,17 +66,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
+import aiohttp
+import httpx
+import psutil
+from aiohttp import web
 
-import aiohttp  # noqa: E402
-import httpx  # noqa: E402
-import psutil  # noqa: E402
-from aiohttp import web  # noqa: E402
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
+    ROOT,
     fmt,
     log,
     machine,
@@ -82,8 +84,8 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from bench.frontdoor import machine_busy, process_cpu_s  # noqa: E402
-from bench.stack import (  # noqa: E402
+from bench.frontdoor import machine_busy, process_cpu_s
+from bench.stack import (
     MODEL,
     bench_database,
     busy_neighbours,
@@ -91,8 +93,8 @@ from bench.stack import (  # noqa: E402
     load_average,
     tidegate_env,
 )
-from tidegate_tools.procs import Proc, free_port, tidegate_argv  # noqa: E402
-from tidegate_tools.stack import WorkerSpec, running_stack  # noqa: E402
+from tidegate_tools.procs import Proc, free_port, tidegate_argv
+from tidegate_tools.stack import WorkerSpec, running_stack
 
 NAME = "noisy_neighbour"
 PARTS = ("flood", "uploads", "batches", "callbacks")  # the hostile loads (--only)

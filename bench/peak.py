@@ -40,6 +40,11 @@ Calibration (where the figures come from): one named engine profile, the sim eng
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/peak.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.peak, then exits
+
 import bisect
 import heapq
 import math
@@ -53,11 +58,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
-
-from bench.common import (  # noqa: E402
+from bench.common import (
     RESULTS,
     fmt,
     log,
@@ -69,12 +70,12 @@ from bench.common import (  # noqa: E402
     write_json,
     write_report,
 )
-from scheduler.forecast import forecast, peak_rate_per_s  # noqa: E402
-from scheduler.peaks import PeakWindow, peak_factor, windows_of  # noqa: E402
-from scheduler.planner import Capacity, capacity_from, lead_time_s, plan  # noqa: E402
-from scheduler.router import WorkerView  # noqa: E402
-from tidegate.lanes import Lane, load_lanes  # noqa: E402
-from workers.sim_profile import SimProfile, load_profile  # noqa: E402
+from scheduler.forecast import forecast, peak_rate_per_s
+from scheduler.peaks import PeakWindow, peak_factor, windows_of
+from scheduler.planner import Capacity, capacity_from, lead_time_s, plan
+from tidegate.lanes import Lane, load_lanes
+from tidegate.router import WorkerView
+from workers.sim_profile import SimProfile, load_profile
 
 # -- calibration: one named profile of the sim engine ----------------------------------
 PROFILE = "llama-3.1-8b-fp8-h100"  # workers/sim_profiles.toml

@@ -15,21 +15,21 @@ Writes bench/results/tiers.{md,png,json}; the last stdout line is the JSON summa
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # a file run: python bench/tiers.py
+    from _shim import run_as_module
+
+    run_as_module(__file__)  # runs this file as the module bench.tiers, then exits
+
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # run as a script from a checkout that is not installed
-
-from bench import lanes  # noqa: E402
-from bench.common import fmt  # noqa: E402
-from bench.stack import (  # noqa: E402
+from bench import lanes
+from bench.common import fmt
+from bench.stack import (
     MODEL,
     TEMPERATURE,
     Arrivals,

@@ -27,20 +27,21 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
+import redis
 from celery import Celery
 
 from scheduler import control
 from scheduler.forecast import MINUTE, forecast, minute_of, peak_rate_per_s
 from scheduler.peaks import PeakWindow, peak_factor, windows_of
 from scheduler.planner import Capacity, capacity_from, lead_time_s, plan
-from scheduler.router import DEFAULT_JOB_MS, WorkerView
 from store import Store
 from tidegate import hot, keys
 from tidegate.fleet import read_fleet
 from tidegate.lanes import Lane
 from tidegate.records import WorkerState
+from tidegate.router import DEFAULT_JOB_MS, WorkerView
 from tidegate.settings import Settings
 
 HISTORY = timedelta(days=8)  # last week's same minute, plus the smoothing window
@@ -68,13 +69,13 @@ def flush_arrivals(client: Any, store: Store, settings: Settings) -> int:
     return moved
 
 
-def hot_prefixes(client: Any, settings: Settings, lane: str) -> list[str]:
+def hot_prefixes(client: redis.Redis, settings: Settings, lane: str) -> list[str]:
     return hot.read(client, settings.namespace, lane, HOT_PREFIXES)
 
 
-def activation_s(client: Any, settings: Settings) -> float:
+def activation_s(client: redis.Redis, settings: Settings) -> float:
     """A high percentile of measured activations: a late worker is what hurts."""
-    raw = client.lrange(keys.activation_times(settings.namespace), 0, -1)
+    raw = cast(list[bytes], client.lrange(keys.activation_times(settings.namespace), 0, -1))
     times = sorted(float(x) for x in raw)
     return times[int(0.9 * (len(times) - 1))] if times else DEFAULT_ACTIVATION_S
 
@@ -137,8 +138,8 @@ def _standby_capacity(views: list[WorkerView], lane: str) -> Capacity:
     return Capacity(per_worker_rps=slots / service_s, mean_service_s=service_s, slots=slots)
 
 
-def autoscale(app: Celery, client: Any, store: Store, settings: Settings,
-              now: datetime | None = None) -> list[dict[str, Any]]:
+def autoscale(app: Celery, client: redis.Redis, store: Store, settings: Settings,
+              now: datetime | None = None) -> list[dict[str, object]]:
     clock = settings.clock
     now = now or clock.now()
     heartbeats = read_fleet(client, settings.namespace)
@@ -159,7 +160,7 @@ def autoscale(app: Celery, client: Any, store: Store, settings: Settings,
     return actions
 
 
-def record_plan(client: Any, settings: Settings, lane: Lane, now: datetime, p: LanePlan,
+def record_plan(client: redis.Redis, settings: Settings, lane: Lane, now: datetime, p: LanePlan,
                 held: dict[str, int]) -> None:
     """The tick's plan for the lane, for a node autoscaler (`short`), `tidegate status`
     and the festival replay's report."""
@@ -172,8 +173,8 @@ def record_plan(client: Any, settings: Settings, lane: Lane, now: datetime, p: L
                 maxlen=keys.PLANS_MAXLEN, approximate=True)
 
 
-def _activate(app: Celery, client: Any, settings: Settings, lane: Lane, worker: WorkerView,
-              want: int, rate: float) -> dict[str, Any]:
+def _activate(app: Celery, client: redis.Redis, settings: Settings, lane: Lane, worker: WorkerView,
+              want: int, rate: float) -> dict[str, object]:
     started = time.monotonic()
     ok = control.activate(app, client, settings, worker.name, lane.name, worker.pool,
                           warm_prompts=lane.warm_prompts,

@@ -21,6 +21,7 @@ import redis
 from redbeat import RedBeatScheduler
 from redbeat.schedulers import LUA_EXTEND_TO_SCRIPT, get_redis
 from redis.exceptions import LockError
+from redis.lock import Lock
 
 from tidegate import keys, redisconn
 from tidegate.settings import Settings
@@ -38,7 +39,7 @@ BEAT_LOCK_S = 30.0
 BEAT_REDIS_RETRY_S = 15.0
 
 
-def beat_config(settings: Settings) -> dict[str, Any]:
+def beat_config(settings: Settings) -> dict[str, object]:
     """The Celery settings that make the embedded beat redbeat's, on the deployment's
     Redis (one server or Sentinel) under its namespace."""
     loop_s = min(settings.reconcile_s, settings.scheduler_tick_s, BEAT_LOOP_MAX_S)
@@ -75,9 +76,9 @@ class OneBeat(RedBeatScheduler):  # type: ignore[misc]  # redbeat has no type hi
     """redbeat's scheduler, sending only while it holds the lock, and never ended by a
     lost lock or a Redis outage: it stands by and tries again after `max_interval`."""
 
-    lock: Any  # redis-py's Lock while this beat has one (redbeat's attribute)
+    lock: Lock | None  # redis-py's Lock while this beat has one (redbeat's attribute)
 
-    def tick(self, *args: Any, **kwargs: Any) -> float:
+    def tick(self, *args: object, **kwargs: object) -> float:
         try:
             if not self._hold_lock():
                 return float(self.max_interval)  # another beat sends the schedule
@@ -109,7 +110,7 @@ class OneBeat(RedBeatScheduler):  # type: ignore[misc]  # redbeat has no type hi
             log.warning("beat: the schedule is gone from Redis; writing it again")
             self.setup_schedule()
 
-    def _new_lock(self) -> Any:
+    def _new_lock(self) -> Lock:
         """The lock as redbeat's start takes it (redbeat.schedulers, beat_init)."""
         client = get_redis(self.app)
         lock = client.lock(self.lock_key, timeout=self.lock_timeout, sleep=self.max_interval)

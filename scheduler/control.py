@@ -18,8 +18,9 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
+import redis
 from celery import Celery
 
 from tidegate import keys
@@ -41,8 +42,8 @@ class Desired:
     queue: str  # the pool queue the worker consumes when active
 
 
-def desired(client: Any, settings: Settings) -> dict[str, Desired]:
-    raw = client.hgetall(keys.desired_states(settings.namespace))
+def desired(client: redis.Redis, settings: Settings) -> dict[str, Desired]:
+    raw = cast(dict[bytes, bytes], client.hgetall(keys.desired_states(settings.namespace)))
     return {k.decode(): _desired(json.loads(v)) for k, v in raw.items()}
 
 
@@ -50,7 +51,7 @@ def _desired(body: dict[str, str]) -> Desired:
     return Desired(state=WorkerState(body["state"]), queue=body["queue"])
 
 
-def _record(client: Any, settings: Settings, worker: str, want: Desired) -> None:
+def _record(client: redis.Redis, settings: Settings, worker: str, want: Desired) -> None:
     client.hset(keys.desired_states(settings.namespace), worker,
                 json.dumps({"state": want.state, "queue": want.queue}))
 
@@ -60,7 +61,7 @@ def consumes(app: Celery, worker: str, queue: str) -> bool:
     return any(q["name"] == queue for q in (replies or {}).get(worker, []))
 
 
-def add_consumer(app: Celery, client: Any, settings: Settings, worker: str, queue: str,
+def add_consumer(app: Celery, client: redis.Redis, settings: Settings, worker: str, queue: str,
                  verify_s: float = 10.0) -> bool:
     """Makes the worker consume `queue`; True once it is seen to. The control reply comes
     before the consumer is really added: the worker's fleet message says when it is (its
@@ -90,8 +91,8 @@ def _answered_ok(replies: list[dict[str, Any]] | None, worker: str) -> bool:
     return any(isinstance(r.get(worker), dict) and r[worker].get("ok") for r in replies or [])
 
 
-def activate(app: Celery, client: Any, settings: Settings, worker: str, lane: str, pool: str,
-             warm_prompts: list[str] | None = None,
+def activate(app: Celery, client: redis.Redis, settings: Settings, worker: str, lane: str,
+             pool: str, warm_prompts: list[str] | None = None,
              warm_prefixes: list[str] | None = None) -> bool:
     """Warms the worker's cache with the lane's hot prefixes, then makes it consume its
     pool queue; True once `active_queues()` shows it.
@@ -110,7 +111,7 @@ def activate(app: Celery, client: Any, settings: Settings, worker: str, lane: st
     return ok
 
 
-def deactivate(app: Celery, client: Any, settings: Settings, worker: str, lane: str,
+def deactivate(app: Celery, client: redis.Redis, settings: Settings, worker: str, lane: str,
                pool: str, drain_timeout_s: float = 300.0) -> bool:
     """Stops the worker consuming its pool queue, then waits until its in-flight jobs are
     finished; True when it drained in time."""
@@ -135,7 +136,7 @@ def in_flight(app: Celery, worker: str) -> int:
     raise RuntimeError(f"worker {worker} did not answer tidegate_stats")
 
 
-def reconcile(app: Celery, client: Any, settings: Settings) -> list[str]:
+def reconcile(app: Celery, client: redis.Redis, settings: Settings) -> list[str]:
     """Re-applies the desired states: a restarted worker comes back consuming only its
     direct queue, whatever it was told before."""
     wanted, actions = desired(client, settings), []

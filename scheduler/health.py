@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
+from typing import cast
 
+import redis
 from celery import Celery
 
 from scheduler import control
@@ -23,9 +24,9 @@ from tidegate.settings import Settings
 STRIKES_TO_ACT = 2  # consecutive checks over the threshold before acting
 
 
-def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
+def check(app: Celery, client: redis.Redis, settings: Settings) -> list[dict[str, object]]:
     fleet = read_fleet(client, settings.namespace)
-    actions: list[dict[str, Any]] = []
+    actions: list[dict[str, object]] = []
     for hb in fleet:
         latency = hb.stats.avg_cache_allocation_latency_ms if hb.stats else None
         if hb.state != WorkerState.ACTIVE or latency is None:
@@ -34,15 +35,15 @@ def check(app: Celery, client: Any, settings: Settings) -> list[dict[str, Any]]:
         if latency <= settings.alloc_latency_threshold_ms:
             client.delete(strikes_key)
             continue
-        strikes = int(client.hincrby(strikes_key, "strikes", 1))
+        strikes = cast(int, client.hincrby(strikes_key, "strikes", 1))
         client.expire(strikes_key, keys.HEALTH_STRIKES_TTL_S)
         if strikes >= STRIKES_TO_ACT:
             actions.append(_act(app, client, settings, hb, fleet, latency))
     return actions
 
 
-def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
-         fleet: list[Heartbeat], latency: float) -> dict[str, Any]:
+def _act(app: Celery, client: redis.Redis, settings: Settings, hb: Heartbeat,
+         fleet: list[Heartbeat], latency: float) -> dict[str, object]:
     name = hb.name
     strikes_key = keys.health_strikes(settings.namespace, name)
     base = {"worker": name, "alloc_latency_ms": latency}
@@ -68,7 +69,7 @@ def _act(app: Celery, client: Any, settings: Settings, hb: Heartbeat,
         client.delete(strikes_key)
 
 
-def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str) -> bool:
+def _wait_restarted(client: redis.Redis, settings: Settings, name: str, old_boot: str) -> bool:
     """Until the worker heartbeats from a new process with its engine loaded."""
     end = time.monotonic() + settings.restart_timeout_s
     while time.monotonic() < end:
@@ -79,8 +80,8 @@ def _wait_restarted(client: Any, settings: Settings, name: str, old_boot: str) -
     return False
 
 
-def rolling_restart(app: Celery, client: Any, settings: Settings,
-                    hb: Heartbeat) -> dict[str, Any]:
+def rolling_restart(app: Celery, client: redis.Redis, settings: Settings,
+                    hb: Heartbeat) -> dict[str, object]:
     name, lane, pool = hb.name, hb.lane, hb.pool
     drained = control.deactivate(app, client, settings, name, lane, pool)
     app.control.broadcast("tidegate_restart_engine", destination=[name], reply=True,

@@ -11,10 +11,10 @@ queues, so its messages are counted there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
-from typing import Any
 
+import redis
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -42,7 +42,7 @@ RECOVERIES = Counter("tidegate_recoveries_total", "Reconciler actions of this sc
                      ["action"], registry=REGISTRY)
 
 
-def count_recovery(action: dict[str, Any]) -> None:
+def count_recovery(action: Mapping[str, object]) -> None:
     RECOVERIES.labels(str(action.get("action", "unknown"))).inc()
 
 
@@ -50,7 +50,7 @@ class SchedulerCollector(Collector):
     """Queue depth, jobs in flight, workers by state, lane objectives and the webhook
     backlog, read at scrape time."""
 
-    def __init__(self, settings: Settings, client: Any, store: Store) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, store: Store) -> None:
         self.settings, self.client, self.store = settings, client, store
         self.webhooks = Webhooks(store)
 
@@ -122,7 +122,7 @@ class SchedulerCollector(Collector):
                                 "undelivered webhook (0: none waits)", value=age_s)
 
 
-def serve(settings: Settings, client: Any, store: Store) -> None:
+def serve(settings: Settings, client: redis.Redis, store: Store) -> None:
     """Serves /metrics on metrics_host:scheduler_metrics_port (0: not at all); a taken port
     stops the scheduler at start, naming the setting."""
     port = settings.scheduler_metrics_port

@@ -30,8 +30,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.router import DEFAULT_JOB_MS, WorkerView
 from tidegate.records import WorkerState
+from tidegate.router import DEFAULT_JOB_MS, WorkerView
 
 P99 = 0.99
 

@@ -63,7 +63,6 @@ from typing import Any, TypedDict, cast
 import redis
 from celery import Celery
 
-from scheduler import router
 from store import JobRecord, Store
 from tasks.app import queue_lengths, send_generate
 from tasks.payloads import GeneratePayload
@@ -76,7 +75,7 @@ from tasks.recovery import (
     target_queue,
     task_id,
 )
-from tidegate import capabilities, keys, redisconn
+from tidegate import capabilities, keys, redisconn, router
 from tidegate.events import Event, Kind
 from tidegate.fleet import read_fleet
 from tidegate.lanes import pool_queue, redis_priority

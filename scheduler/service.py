@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
 
+import redis
 from celery import Celery
 
 from scheduler import autoscale, control, health, metrics, reconcile, retention
@@ -39,7 +40,7 @@ def scheduler_queue(settings: Settings) -> str:
     return f"{settings.namespace}.scheduler"
 
 
-def take_period(client: Any, namespace: str, name: str, period_s: float) -> int | None:
+def take_period(client: redis.Redis, namespace: str, name: str, period_s: float) -> int | None:
     """The current period's number if this process is the one to act in it, else None."""
     period = int(time.time() // period_s)
     if locks.take_period(client, keys.scheduler_lock(namespace, name, period), period_s):
@@ -47,7 +48,8 @@ def take_period(client: Any, namespace: str, name: str, period_s: float) -> int 
     return None
 
 
-def record_action(client: Any, namespace: str, action: dict[str, Any]) -> None:
+def record_action(client: redis.Redis, namespace: str,
+                  action: Mapping[str, object]) -> None:
     """Every action the scheduler takes, for `tidegate status`, Flower and the tests."""
     body = {"ts": time.time(), **action}
     log.info("scheduler action: %s", json.dumps(body))
@@ -55,7 +57,7 @@ def record_action(client: Any, namespace: str, action: dict[str, Any]) -> None:
                 maxlen=keys.ACTIONS_MAXLEN, approximate=True)
 
 
-def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def tick(app: Celery, client: redis.Redis, store: Store, settings: Settings) -> dict[str, object]:
     """One scheduler period: sample traffic, re-apply desired states, pre-warm ahead of
     the forecast, watch health. The returned actions show in Flower as the task result."""
     period = take_period(client, settings.namespace, "tick", settings.scheduler_tick_s)
@@ -63,7 +65,7 @@ def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str
         client.incr(keys.scheduler_lock(settings.namespace, "skipped", 0))
         return {"acted": False}
     record_action(client, settings.namespace, {"action": "tick", "period": period})
-    actions: list[dict[str, Any]] = []
+    actions: list[dict[str, object]] = []
     arrivals = autoscale.flush_arrivals(client, store, settings)
     actions += [{"action": "reconcile", "detail": note}
                 for note in control.reconcile(app, client, settings)]
@@ -74,7 +76,8 @@ def tick(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str
     return {"acted": True, "period": period, "arrivals_sampled": arrivals, "actions": actions}
 
 
-def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def reconcile_pass(app: Celery, client: redis.Redis, store: Store,
+                   settings: Settings) -> Mapping[str, object]:
     """One reconciler pass per period, by one scheduler; its actions are recorded."""
     if take_period(client, settings.namespace, "reconcile", settings.reconcile_s) is None:
         return {"acted": False}
@@ -85,7 +88,7 @@ def reconcile_pass(app: Celery, client: Any, store: Store, settings: Settings) -
     return dict(result)
 
 
-def purge_pass(client: Any, store: Store, settings: Settings) -> dict[str, Any]:
+def purge_pass(client: redis.Redis, store: Store, settings: Settings) -> dict[str, object]:
     """One retention purge per period, by one scheduler; what it removed is recorded."""
     if take_period(client, settings.namespace, "purge", settings.retention_purge_s) is None:
         return {"acted": False}
@@ -112,15 +115,15 @@ def make_scheduler_app(settings: Settings) -> Celery:
     store = Store(settings.db_url, **settings.store_timeouts)
 
     @app.task(name=TICK, ignore_result=True, acks_late=False)
-    def _tick() -> dict[str, Any]:
+    def _tick() -> dict[str, object]:
         return tick(app, client, store, settings)
 
     @app.task(name=RECONCILE, ignore_result=True, acks_late=False)
-    def _reconcile() -> dict[str, Any]:
+    def _reconcile() -> Mapping[str, object]:
         return reconcile_pass(app, client, store, settings)
 
     @app.task(name=PURGE, ignore_result=True, acks_late=False)
-    def _purge() -> dict[str, Any]:
+    def _purge() -> dict[str, object]:
         return purge_pass(client, store, settings)
 
     return app

@@ -15,10 +15,12 @@ import uuid
 from bisect import bisect
 from typing import Any
 
+import redis
 from celery import Celery, signals
 from celery.utils.nodenames import anon_nodename
 from kombu import Exchange, Queue
 from kombu.utils.json import dumps as kombu_dumps
+from redis.client import Pipeline
 
 from tasks import broker  # noqa: F401 - registers the fixed Redis transports with kombu
 from tasks.payloads import GENERATE, GeneratePayload
@@ -101,11 +103,11 @@ def run_celery(app: Celery, argv: list[str]) -> None:
     app.start(["-q", *argv])
 
 
-def _logging_is_set_up(**_: Any) -> None:
+def _logging_is_set_up(**_: object) -> None:
     """Celery's setup_logging signal: nothing to do, tidegate.logs did it."""
 
 
-def _quiet_shutdown(sender: Any = None, **_: Any) -> None:
+def _quiet_shutdown(sender: object = None, **_: object) -> None:
     from celery.apps.worker import install_worker_term_handler
 
     worker = getattr(sender, "controller", None)  # the consumer's WorkController
@@ -113,12 +115,12 @@ def _quiet_shutdown(sender: Any = None, **_: Any) -> None:
         install_worker_term_handler(worker, verbose=False)
 
 
-def queue_lengths(client: Any, queues: list[str]) -> dict[str, int]:
+def queue_lengths(client: redis.Redis, queues: list[str]) -> dict[str, int]:
     """Messages waiting per queue, summed over its ten priority sub-lists."""
     return {q: sum(steps) for q, steps in queue_lengths_by_step(client, queues).items()}
 
 
-def queue_lengths_by_step(client: Any, queues: list[str]) -> dict[str, list[int]]:
+def queue_lengths_by_step(client: redis.Redis, queues: list[str]) -> dict[str, list[int]]:
     """Messages waiting per queue and Redis priority step (index 0 is served first), in one
     pipeline."""
     pipe = client.pipeline(transaction=False)
@@ -171,7 +173,7 @@ def writes_to(app: Celery, redis_url: str) -> bool:
             and not options.get("global_keyprefix") and "body_encoding" not in options)
 
 
-def push_generate(pipe: Any, app: Celery, payload: GeneratePayload, queue: str,
+def push_generate(pipe: Pipeline, app: Celery, payload: GeneratePayload, queue: str,
                   priority: int) -> None:
     """Adds to a redis-py pipeline on the broker's Redis (see `writes_to`) the LPUSH that
     send_generate's publish is."""

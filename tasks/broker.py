@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
+import redis
+from kombu import Connection
 from kombu.transport import TRANSPORT_ALIASES, _transport_cache
 from kombu.transport import redis as kombu_redis
 
@@ -47,14 +48,14 @@ def register() -> None:
 class _KeepsClient:
     """`client` may be set, never cleared (kombu clears it when it collects a connection)."""
 
-    _client: Any = None
+    _client: Connection | None = None
 
     @property
-    def client(self) -> Any:
+    def client(self) -> Connection | None:
         return self._client
 
     @client.setter
-    def client(self, value: Any) -> None:
+    def client(self, value: Connection | None) -> None:
         if value is not None:
             self._client = value
 
@@ -66,10 +67,10 @@ class _ReusesClient:
     client is a thin wrapper that takes a connection from its pool per command. A pool
     rebuilt after a broken connection gets a client of its own."""
 
-    _reused: Any = None
+    _reused: redis.Redis | None = None
 
     @contextmanager
-    def conn_or_acquire(self, client: Any = None) -> Iterator[Any]:
+    def conn_or_acquire(self, client: redis.Redis | None = None) -> Iterator[redis.Redis]:
         if client:
             yield client
             return

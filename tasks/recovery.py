@@ -31,9 +31,12 @@ import json
 import logging
 import time
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, cast
 
+import redis
 from celery import Celery
+from kombu.transport.redis import QoS
+from redis.client import Pipeline
 
 from tasks.payloads import GENERATE
 from tidegate import keys
@@ -87,13 +90,13 @@ def _reroute(settings: Settings, fleet: list[Heartbeat], entry: list[Any]) -> st
     return target_queue(settings, fleet, message)
 
 
-def _restore_to(client: Any, qos: Any, tag: str, queue: str) -> None:
+def _restore_to(client: redis.Redis, qos: QoS, tag: str, queue: str) -> None:
     """kombu's restore_by_tag, to `queue` instead of the message's own: one transaction
     that takes the entry out of the unacked hash and its index and pushes the message to
     the end of its priority's list that is served first, as a restore does."""
 
-    def restore(pipe: Any) -> None:
-        raw = pipe.hget(qos.unacked_key, tag)
+    def restore(pipe: Pipeline) -> None:
+        raw = cast(bytes | None, pipe.hget(qos.unacked_key, tag))  # watched: read at once
         pipe.multi()
         pipe.zrem(qos.unacked_index_key, tag)
         pipe.hdel(qos.unacked_key, tag)
@@ -193,7 +196,7 @@ def rerouted(message: dict[str, Any], queue: str) -> dict[str, Any]:
     return message
 
 
-def push_served_next(pipe: Any, message: dict[str, Any], queue: str) -> None:
+def push_served_next(pipe: Pipeline, message: dict[str, Any], queue: str) -> None:
     """Into `queue`'s list of the message's priority, at the end consumers take from
     (kombu's BRPOP; new messages go in at the other end): a message handed back has
     waited already."""

@@ -3,13 +3,14 @@
 Each engine class says which of these it has (`capabilities`, workers/engine.py); a worker
 puts its engine's in its heartbeat (tidegate/records.py), and admission refuses a request
 that needs one no active worker of its lane has: a 400 naming the request's field, before
-any row is written or message sent (api/submit.py `needs`, scheduler/router.py). Without
+any row is written or message sent (api/submit.py `needs`, tidegate/router.py). Without
 the check, the job would be queued and then fail on the worker (a 502 after the wait).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Protocol
 
 N = "n"  # several choices from one request (`n` > 1), sampled inside the engine
 LOGPROBS = "logprobs"  # the log-probability of each output token, and the top alternatives
@@ -27,7 +28,32 @@ ALL: frozenset[str] = frozenset({N, LOGPROBS, PENALTIES, LOGIT_BIAS, SAMPLING_EX
                                  LORA, STRUCTURED_OUTPUT, TOOLS, VISION, AUDIO})
 
 
-def needs(sampling: Any) -> dict[str, str]:
+class SamplingFields(Protocol):
+    """The request fields `needs` reads, which a JobRequest (the API) and a payload's
+    Sampling (the reconciler) name alike; only their presence or value is read, so each
+    is as loose as either's type."""
+
+    @property
+    def n(self) -> int: ...
+    @property
+    def logprobs(self) -> object: ...
+    @property
+    def presence_penalty(self) -> float | None: ...
+    @property
+    def frequency_penalty(self) -> float | None: ...
+    @property
+    def repetition_penalty(self) -> float | None: ...
+    @property
+    def logit_bias(self) -> object: ...
+    @property
+    def top_k(self) -> int | None: ...
+    @property
+    def min_p(self) -> float | None: ...
+    @property
+    def stop(self) -> object: ...
+
+
+def needs(sampling: SamplingFields) -> dict[str, str]:
     """The capabilities a job's sampling needs, each to the request field that needs it:
     `sampling` is a JobRequest (the API) or a payload's Sampling (the reconciler), which
     name these fields alike. Fields at their neutral values need nothing."""
@@ -52,8 +78,8 @@ def needs(sampling: Any) -> dict[str, str]:
     return out
 
 
-def output_needs(guided: dict[str, Any] | None,
-                 tool_parse: dict[str, Any] | None) -> dict[str, str]:
+def output_needs(guided: Mapping[str, object] | None,
+                 tool_parse: Mapping[str, object] | None) -> dict[str, str]:
     """What a job's structured output and `auto` tool parsing need, from its payload
     (`guided`, `tool_parse`: api/openai_tools.py): the reconciler routes a job sent again
     by it. (Admission names the request's own field: api/openai_tools.py `needs`.)"""

@@ -39,9 +39,8 @@ not use pays for them in order (never in tokens billed).
 
 from __future__ import annotations
 
-from typing import Any
-
 import redis
+from redis.client import Pipeline
 
 from tidegate import keys
 
@@ -106,18 +105,19 @@ class FairPush:
     def script_keys(self, sublist: str) -> list[str]:
         return [sublist, keys.fair_tags(self.ns, sublist), keys.fair_finish(self.ns, sublist)]
 
-    def args(self, message: str, job_id: str, tenant: int, job_cost: float) -> list[Any]:
+    def args(self, message: str, job_id: str, tenant: int, job_cost: float) -> list[str | int]:
         return [message, job_id, str(tenant), repr(float(job_cost)),
                 repr(float(job_cost * self.burst)), TAGS_TTL_S]
 
-    def add(self, pipe: Any, sublist: str, message: str, job_id: str, tenant: int,
+    def add(self, pipe: Pipeline, sublist: str, message: str, job_id: str, tenant: int,
             job_cost: float) -> None:
         """Queues the push on a pipeline as EVALSHA (no SCRIPT EXISTS round trip: redis-py's
         pipeline makes one for each registered script it runs); the answer is a
         NoScriptError when the broker does not know it yet (`push` then loads it)."""
         script_keys = self.script_keys(sublist)
-        pipe.execute_command("EVALSHA", self.script.sha, len(script_keys), *script_keys,
-                             *self.args(message, job_id, tenant, job_cost))
+        pipe.execute_command(  # type: ignore[no-untyped-call]
+            "EVALSHA", self.script.sha, len(script_keys), *script_keys,
+            *self.args(message, job_id, tenant, job_cost))
 
     def push(self, sublist: str, message: str, job_id: str, tenant: int,
              job_cost: float) -> int:

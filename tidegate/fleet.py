@@ -50,7 +50,7 @@ class FleetEvents:
 
     def __init__(self, client: redis.Redis, namespace: str) -> None:
         self.client, self.namespace = client, namespace
-        self.pubsub = client.pubsub()
+        self.pubsub = client.pubsub()  # type: ignore[no-untyped-call]
 
     def __enter__(self) -> FleetEvents:
         self.pubsub.subscribe(keys.fleet_channel(self.namespace))

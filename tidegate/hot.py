@@ -16,12 +16,15 @@ tenants' system prompts would serve nothing.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import cast
+
+import redis
+from redis.client import Pipeline
 
 from tidegate import keys
 
 
-def record(pipe: Any, ns: str, lane: str, prefix: str, ttl_s: int) -> None:
+def record(pipe: Pipeline, ns: str, lane: str, prefix: str, ttl_s: int) -> None:
     """Count one use of `prefix` on `lane`, on a Redis pipeline the caller executes."""
     digest = hashlib.sha256(prefix.encode()).hexdigest()
     ranking = keys.hot_prefixes(ns, lane)
@@ -31,13 +34,14 @@ def record(pipe: Any, ns: str, lane: str, prefix: str, ttl_s: int) -> None:
     pipe.expire(ranking, ttl_s)
 
 
-def read(client: Any, ns: str, lane: str, count: int) -> list[str]:
+def read(client: redis.Redis, ns: str, lane: str, count: int) -> list[str]:
     """The lane's `count` most used prefixes that have not expired, most used first."""
     ranking = keys.hot_prefixes(ns, lane)
-    digests = [_text(d) for d in client.zrevrange(ranking, 0, -1)]
+    digests = [_text(d) for d in cast(list[bytes | str], client.zrevrange(ranking, 0, -1))]
     if not digests:
         return []
-    texts = client.mget([keys.hot_prefix_text(ns, lane, d) for d in digests])
+    texts = cast(list[bytes | str | None],
+                 client.mget([keys.hot_prefix_text(ns, lane, d) for d in digests]))
     expired = [d for d, text in zip(digests, texts, strict=True) if text is None]
     if expired:
         client.zrem(ranking, *expired)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tomllib
 from datetime import datetime, time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -229,7 +229,7 @@ class Lane(BaseModel):
         description="OpenAI-compatible routes: unknown request fields are a 400 naming the field "
         "instead of being ignored (with the x-tidegate-ignored-fields header and a log line).")
 
-    # Work-conserving lanes (scheduler/router.py): a worker of this lane lends its idle
+    # Work-conserving lanes (tidegate/router.py): a worker of this lane lends its idle
     # slots to these lanes' jobs while their own workers have none free. A borrowed job
     # runs at the engine's lowest priority, so this lane's own arrivals preempt it at once.
     lend_to: list[str] = Field(
@@ -302,7 +302,7 @@ class LanesConfigError(ValueError):
     """The lanes file is missing or wrong; the message names the lane and field."""
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path) -> dict[str, object]:
     try:
         return tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError) as exc:

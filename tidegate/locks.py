@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import uuid
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 
 if TYPE_CHECKING:
-    from tidegate.redisconn import StreamsClient
+    from tidegate.redisconn import StreamsClient, StreamsPipeline
 
 # Compare-and-delete: the GET-then-DEL of two calls lets a lock that expired between them
 # (and was taken by another holder) be deleted from under its new holder.
@@ -58,7 +58,7 @@ class RedisLock:
         self.held = bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
         return self.held
 
-    def acquire_in(self, pipe: Any) -> None:
+    def acquire_in(self, pipe: StreamsPipeline) -> None:
         """acquire() queued on a pipeline (the caller reads the reply)."""
         pipe.set(self.key, self.token, nx=True, px=self.ttl_ms)
 

@@ -31,24 +31,37 @@ from collections.abc import Collection, Iterator, Mapping
 from contextvars import ContextVar, Token
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict, Unpack, cast
 
 from tidegate.settings import Settings
 
 FIELDS = ("job_id", "lane", "worker", "attempt", "trace_id")
+LogValue = str | int  # a context field's value: an id, a name or a count
+
+
+class LogFields(TypedDict, total=False):
+    """The context fields a caller may set (FIELDS; None: not known, left out)."""
+
+    job_id: str | None
+    lane: str | None
+    worker: str | None
+    attempt: int | None
+    trace_id: str | None
+
+
 # What a JSON line may hold: the record's own fields (renamed) and the context fields.
 ALLOWED = frozenset({"ts", "level", "logger", "message", "process", "exc_info", "stack_info",
                      *FIELDS})  # JsonFormatter writes these and no others
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(process_kind)s %(name)s: %(message)s%(context)s"
 
 # Never mutated: each change sets a new mapping, so a reset restores the one before.
-_job: ContextVar[Mapping[str, Any]] = ContextVar("tidegate_log_context",
-                                                 default=MappingProxyType({}))
-_process: dict[str, Any] = {}  # fields of the whole process (the worker's name)
+_job: ContextVar[Mapping[str, LogValue]] = ContextVar("tidegate_log_context",
+                                                      default=MappingProxyType({}))
+_process: dict[str, LogValue] = {}  # fields of the whole process (the worker's name)
 
 
 @contextlib.contextmanager
-def job_context(**fields: Any) -> Iterator[None]:
+def job_context(**fields: Unpack[LogFields]) -> Iterator[None]:
     """Every line logged inside (in this thread or task) carries these fields."""
     token = open_context(**fields)
     try:
@@ -57,32 +70,32 @@ def job_context(**fields: Any) -> Iterator[None]:
         close_context(token)
 
 
-def open_context(**fields: Any) -> Token[Mapping[str, Any]]:
+def open_context(**fields: Unpack[LogFields]) -> Token[Mapping[str, LogValue]]:
     """`job_context` in two calls, for hooks with a start and an end (Celery's task_prerun
     and task_postrun, in the task's thread); `close_context` with the token ends it."""
     return _job.set({**_job.get(), **_known(fields)})
 
 
-def close_context(token: Token[Mapping[str, Any]]) -> None:
+def close_context(token: Token[Mapping[str, LogValue]]) -> None:
     _job.reset(token)
 
 
-def bind(**fields: Any) -> None:
+def bind(**fields: Unpack[LogFields]) -> None:
     """Adds fields to the current job context (the attempt, once the job is claimed); they
     last until the enclosing `job_context` ends."""
     _job.set({**_job.get(), **_known(fields)})
 
 
-def set_process_fields(**fields: Any) -> None:
+def set_process_fields(**fields: Unpack[LogFields]) -> None:
     """Fields every line of this process carries (a worker's name)."""
     _process.update(_known(fields))
 
 
-def _known(fields: Mapping[str, Any]) -> dict[str, Any]:
+def _known(fields: Mapping[str, object]) -> dict[str, LogValue]:
     unknown = set(fields) - set(FIELDS)
     if unknown:
         raise ValueError(f"unknown log context fields {sorted(unknown)}; known: {FIELDS}")
-    return {k: v for k, v in fields.items() if v is not None}
+    return {k: cast(LogValue, v) for k, v in fields.items() if v is not None}
 
 
 def current_trace_id() -> str | None:
@@ -111,7 +124,7 @@ class ContextFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.process_kind = self.process
-        fields = {**_process, **_job.get()}
+        fields: dict[str, object] = {**_process, **_job.get()}
         trace_id = current_trace_id()
         if trace_id:
             fields["trace_id"] = trace_id
@@ -256,7 +269,7 @@ def wants_json(settings: Settings) -> bool:
 
 
 def dict_config(settings: Settings, process: str, job_tasks: Collection[str] = (),
-                loggers: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                loggers: Mapping[str, Any] | None = None) -> dict[str, object]:
     """A `logging.config.dictConfig` of the one format: its handler on the root logger,
     and `loggers` (name -> level, or a logger config) sent through the root with no
     handler of their own (uvicorn's, Celery's). Written to a file, it configures child

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+import redis
 from limits import RateLimitItemPerMinute
 from limits.storage import RedisStorage
 from limits.strategies import SlidingWindowCounterRateLimiter
@@ -70,7 +70,7 @@ class Window:
 
 
 class RateLimits:
-    def __init__(self, client: Any, namespace: str) -> None:
+    def __init__(self, client: redis.Redis, namespace: str) -> None:
         """`client`: a redis.Redis (the API's or the worker's, TIDEGATE_REDIS_URL): the
         limiter uses its connection pool, so Sentinel and timeouts are as configured."""
         self._storage = RedisStorage("redis://", connection_pool=client.connection_pool,
@@ -103,7 +103,8 @@ class RateLimits:
         return refund(self._client, self._namespace, tenant_id, tokens, charged_at)
 
 
-def refund(client: Any, namespace: str, tenant_id: int, tokens: int, charged_at: float) -> int:
+def refund(client: redis.Redis, namespace: str, tenant_id: int, tokens: int,
+           charged_at: float) -> int:
     """Give back `tokens` of a charge made at `charged_at` (epoch seconds) to the tenant's
     token window; the tokens given back (0 if the charge aged out, or the tenant has no
     token limit: no counter). One script call on `client`, a redis.Redis of

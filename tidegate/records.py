@@ -10,6 +10,7 @@ stored in the database, in Redis and in the API's JSON, so they compare equal to
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any
@@ -107,14 +108,16 @@ class EngineStats:
         queries = self.prefix_queries_tokens
         return self.prefix_hits_tokens / queries if queries else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The fields, and the hit rate for readers of the JSON (ops scripts, tests)."""
         return {**asdict(self), "prefix_hit_rate": self.prefix_hit_rate}
 
     @classmethod
-    def from_dict(cls, body: dict[str, Any]) -> EngineStats:
+    def from_dict(cls, body: Mapping[str, object]) -> EngineStats:
+        """From a heartbeat's JSON (`to_dict`): the fields this version knows."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in body.items() if k in known})
+        values: dict[str, Any] = {k: v for k, v in body.items() if k in known}
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ class Heartbeat:
     # What its engine can do (tidegate/capabilities.py), sorted; None: a worker older than
     # capabilities, which says nothing and is taken to be able (it refuses on its own).
     capabilities: tuple[str, ...] | None = None
-    borrowed: int = 0  # other lanes' jobs running on slots it lent (scheduler/router.py)
+    borrowed: int = 0  # other lanes' jobs running on slots it lent (tidegate/router.py)
 
     def to_json(self) -> str:
         body = asdict(self)

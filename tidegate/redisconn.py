@@ -49,7 +49,7 @@ failover; a plain URL fails it after one timeout.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict, cast
 from urllib.parse import parse_qs, quote, unquote
 
 import redis
@@ -63,6 +63,7 @@ from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelCon
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.commands.policies import (
     CommandPolicies,
+    PolicyResolver,
     RequestPolicy,
     ResponsePolicy,
     StaticPolicyResolver,
@@ -94,8 +95,32 @@ CONNECT_TIMEOUT_S = 2.0
 SOCKET_TIMEOUT_S = 5.0
 
 
+class Timeouts(TypedDict):
+    """redis-py's connection options for a connect and a reply timeout, as `timeouts()`
+    gives them: every client here takes them (`sync_client(url, **timeouts)`)."""
+
+    socket_connect_timeout: float
+    socket_timeout: float
+
+
+class _SentinelOptions(Timeouts, total=False):
+    """How a client talks to the sentinels themselves (`_sentinel_kwargs`)."""
+
+    retry: Retry | AsyncRetry
+    password: str
+
+
+class _ClusterOptions(Timeouts, total=False):
+    """A Redis Cluster client's options, from a `redis+cluster://` URL."""
+
+    username: str | None
+    password: str | None
+    ssl: bool
+    max_connections: int
+
+
 def timeouts(connect_s: float = CONNECT_TIMEOUT_S,
-             socket_s: float = SOCKET_TIMEOUT_S) -> dict[str, float]:
+             socket_s: float = SOCKET_TIMEOUT_S) -> Timeouts:
     """redis-py's connection options for a connect and a reply timeout."""
     return {"socket_connect_timeout": connect_s, "socket_timeout": socket_s}
 
@@ -125,7 +150,7 @@ def validate(url: str) -> str:
         raise ValueError(f"must start with redis://, rediss://, unix:// or {SENTINEL_SCHEME} "
                          f"(Sentinel: {SENTINEL_FORM})")
     try:
-        parse_url(url)
+        parse_url(url)  # type: ignore[no-untyped-call]
     except ValueError as exc:
         raise ValueError(f"not a Redis URL ({exc})") from None
     return url
@@ -183,21 +208,21 @@ def _db(path: str) -> int:
     return int(path)
 
 
-def _sentinel_kwargs(target: SentinelTarget, kwargs: dict[str, Any],
-                     retry: Retry | AsyncRetry) -> dict[str, Any]:
+def _sentinel_kwargs(target: SentinelTarget, bounds: Timeouts,
+                     retry: Retry | AsyncRetry) -> _SentinelOptions:
     """How to talk to the sentinels themselves: the client's socket options (as redis-py
     does when not told otherwise), their own password, and `retry`: none. A master lookup
     is already retried by the command's failover retry; redis-py's default for a client
     (3 retries, backoff up to 10 s) inside each of those made a blackholed sentinel cost
     minutes, not FAILOVER_RETRIES times its timeout."""
-    out: dict[str, Any] = {k: v for k, v in kwargs.items() if k.startswith("socket_")}
-    out["retry"] = retry
+    out = _SentinelOptions(socket_connect_timeout=bounds["socket_connect_timeout"],
+                           socket_timeout=bounds["socket_timeout"], retry=retry)
     if target.sentinel_password:
         out["password"] = target.sentinel_password
     return out
 
 
-def _master_kwargs(target: SentinelTarget) -> dict[str, Any]:
+def _master_kwargs(target: SentinelTarget) -> dict[str, int | str | None]:
     return {"db": target.db, "username": target.username, "password": target.password}
 
 
@@ -213,7 +238,8 @@ class _FailoverConnection(SentinelManagedConnection):
         # connect_to() (after the lookup) passes retry_socket_connect=False; a reconnect
         # from send_command passes True: look the master up first.
         if retry_socket_connect and self.connection_pool.is_master:
-            self.connect_to(self.connection_pool.get_master_address())
+            master = self.connection_pool.get_master_address()
+            self.connect_to(master)  # type: ignore[no-untyped-call]
             return
         super().connect_check_health(check_health=check_health,
                                      retry_socket_connect=retry_socket_connect)
@@ -225,25 +251,26 @@ class _AsyncFailoverConnection(AsyncSentinelConnection):
     async def connect_check_health(self, check_health: bool = True,
                                    retry_socket_connect: bool = True) -> None:
         if retry_socket_connect and self.connection_pool.is_master:
-            await self.connect_to(await self.connection_pool.get_master_address())
+            master = await self.connection_pool.get_master_address()
+            await self.connect_to(master)  # type: ignore[no-untyped-call]
             return
         await super().connect_check_health(check_health=check_health,
                                            retry_socket_connect=retry_socket_connect)
 
 
-def sync_client(url: str, **kwargs: Any) -> redis.Redis:
-    """A client of the master. kwargs: redis-py's connection options; the timeouts default
-    to `timeouts()`."""
-    kwargs = {**timeouts(), **kwargs}
+def sync_client(url: str, *, socket_connect_timeout: float = CONNECT_TIMEOUT_S,
+                socket_timeout: float = SOCKET_TIMEOUT_S) -> redis.Redis:
+    """A client of the master, bounded by redis-py's two timeout options (`timeouts()`)."""
+    options = timeouts(socket_connect_timeout, socket_timeout)
     if not is_sentinel(url):
-        return redis.Redis.from_url(url, **kwargs)
+        return redis.Redis.from_url(url, **options)
     target = parse_sentinel(url)
-    kwargs.setdefault("retry", Retry(FAILOVER_BACKOFF, FAILOVER_RETRIES))
-    sentinel = Sentinel(list(target.sentinels),
-                        sentinel_kwargs=_sentinel_kwargs(target, kwargs, Retry(NoBackoff(), 0)),
-                        **kwargs)
-    return sentinel.master_for(target.master, connection_class=_FailoverConnection,
-                               **_master_kwargs(target))
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(target.sentinels),
+        sentinel_kwargs=_sentinel_kwargs(target, options, Retry(NoBackoff(), 0)),
+        retry=Retry(FAILOVER_BACKOFF, FAILOVER_RETRIES), **options)
+    return cast(redis.Redis, sentinel.master_for(  # type: ignore[no-untyped-call]
+        target.master, connection_class=_FailoverConnection, **_master_kwargs(target)))
 
 
 class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
@@ -252,43 +279,50 @@ class _BlockingSentinelPool(AsyncSentinelPool, aioredis.BlockingConnectionPool):
 
 
 def async_client(url: str, *, max_connections: int | None = None,
-                 pool_timeout_s: float | None = None, **kwargs: Any) -> aioredis.Redis:
+                 pool_timeout_s: float | None = None,
+                 socket_connect_timeout: float = CONNECT_TIMEOUT_S,
+                 socket_timeout: float = SOCKET_TIMEOUT_S) -> aioredis.Redis:
     """An asyncio client of the master, on a pool of at most `max_connections` (None: no
     bound). With `pool_timeout_s`, a command waits that long for a free connection, then
     fails with ConnectionError; without, a full pool fails at once. The timeouts default
     to `timeouts()`."""
-    kwargs = {**timeouts(), **kwargs}
-    blocking = pool_timeout_s is not None
-    pool_kwargs: dict[str, Any] = {"max_connections": max_connections}
-    if blocking:
+    options = timeouts(socket_connect_timeout, socket_timeout)
+    pool_kwargs: dict[str, float | None] = {"max_connections": max_connections}
+    if pool_timeout_s is not None:  # a blocking pool
         pool_kwargs = {"max_connections": max_connections or 50, "timeout": pool_timeout_s}
     if not is_sentinel(url):
-        if blocking:
-            pool = aioredis.BlockingConnectionPool.from_url(url, **pool_kwargs, **kwargs)
+        if pool_timeout_s is not None:
+            pool = aioredis.BlockingConnectionPool.from_url(url, **pool_kwargs, **options)
             return aioredis.Redis.from_pool(pool)
-        return aioredis.Redis.from_url(url, **pool_kwargs, **kwargs)
+        return aioredis.Redis.from_url(url, max_connections=max_connections, **options)
     target = parse_sentinel(url)
-    kwargs.setdefault("retry", AsyncRetry(FAILOVER_BACKOFF, FAILOVER_RETRIES))
-    sentinel = AsyncSentinel(list(target.sentinels),
-                             sentinel_kwargs=_sentinel_kwargs(target, kwargs,
-                                                              AsyncRetry(NoBackoff(), 0)),
-                             **kwargs)
-    pool_class = _BlockingSentinelPool if blocking else AsyncSentinelPool
-    return sentinel.master_for(target.master, redis_class=aioredis.Redis,
-                               connection_pool_class=pool_class,
-                               connection_class=_AsyncFailoverConnection,
-                               **_master_kwargs(target), **pool_kwargs)
+    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
+        list(target.sentinels),
+        sentinel_kwargs=_sentinel_kwargs(target, options, AsyncRetry(NoBackoff(), 0)),
+        retry=AsyncRetry(FAILOVER_BACKOFF, FAILOVER_RETRIES), **options)
+    pool_class = _BlockingSentinelPool if pool_timeout_s is not None else AsyncSentinelPool
+    return cast(aioredis.Redis, sentinel.master_for(
+        target.master, redis_class=aioredis.Redis, connection_pool_class=pool_class,
+        connection_class=_AsyncFailoverConnection, **_master_kwargs(target), **pool_kwargs))
 
 
-def celery_broker(url: str, bounds: dict[str, float] | None = None
-                  ) -> tuple[str, dict[str, Any]]:
+class BrokerOptions(Timeouts, total=False):
+    """Celery's broker_transport_options that `celery_broker` adds: the timeouts, and for
+    Sentinel, the master's name and how to talk to the sentinels."""
+
+    master_name: str
+    sentinel_kwargs: _SentinelOptions
+
+
+def celery_broker(url: str, bounds: Timeouts | None = None) -> tuple[str, BrokerOptions]:
     """The broker URL Celery (kombu) reads, and the transport options it needs on top of
     the app's own: the timeouts (`bounds`, redis-py's options as `timeouts()` gives them;
     default `timeouts()`), which kombu hands to every connection it makes, and for
     Sentinel, kombu's `sentinel://h:p/db;sentinel://...` form and the master's name."""
     bounds = timeouts() if bounds is None else bounds
     if not is_sentinel(url):
-        return url, dict(bounds)
+        return url, BrokerOptions(socket_connect_timeout=bounds["socket_connect_timeout"],
+                                  socket_timeout=bounds["socket_timeout"])
     target = parse_sentinel(url)
     auth = ""
     if target.username or target.password:
@@ -297,8 +331,11 @@ def celery_broker(url: str, bounds: dict[str, float] | None = None
                       for host, port in target.sentinels)
     # kombu passes `sentinel_kwargs` as they are to the sentinels' clients (redis-py
     # copies the socket options into them only when none are given).
-    options: dict[str, Any] = {"master_name": target.master, **bounds,
-                               "sentinel_kwargs": dict(bounds)}
+    options = BrokerOptions(
+        master_name=target.master, socket_connect_timeout=bounds["socket_connect_timeout"],
+        socket_timeout=bounds["socket_timeout"],
+        sentinel_kwargs=_SentinelOptions(socket_connect_timeout=bounds["socket_connect_timeout"],
+                                         socket_timeout=bounds["socket_timeout"]))
     if target.sentinel_password:
         options["sentinel_kwargs"]["password"] = target.sentinel_password
     return broker, options
@@ -330,7 +367,7 @@ def is_cluster(url: str) -> bool:
     return url.startswith(CLUSTER_SCHEMES)
 
 
-def is_cluster_client(client: Any) -> bool:
+def is_cluster_client(client: object) -> bool:
     """Whether `client` (sync or asyncio) talks to a Redis Cluster: its multi-key commands
     and scripts then take keys of one slot only."""
     return isinstance(client, redis.cluster.RedisCluster | aiocluster.RedisCluster)
@@ -367,8 +404,10 @@ def validate_streams(url: str) -> str:
         raise ValueError(f"{exc}; or a Redis Cluster: {CLUSTER_FORM}") from None
 
 
-def _cluster_kwargs(target: ClusterTarget, kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = {**timeouts(), **kwargs, "username": target.username, "password": target.password}
+def _cluster_kwargs(target: ClusterTarget, bounds: Timeouts) -> _ClusterOptions:
+    out = _ClusterOptions(socket_connect_timeout=bounds["socket_connect_timeout"],
+                          socket_timeout=bounds["socket_timeout"], username=target.username,
+                          password=target.password)
     if target.tls:
         out["ssl"] = True
     return out
@@ -390,7 +429,7 @@ class _ScriptsByKeys(StaticPolicyResolver):
             return self._KEYED
         return super().resolve(command_name)
 
-    def with_fallback(self, fallback: Any) -> Any:
+    def with_fallback(self, fallback: PolicyResolver) -> PolicyResolver:
         return _ScriptsByKeys(fallback)
 
 
@@ -398,8 +437,10 @@ class _StreamsCluster(redis.cluster.RedisCluster):
     """RedisCluster whose pipelines route by the client's policies (_ScriptsByKeys):
     redis-py's pipeline() builds each pipeline with the default ones."""
 
-    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
-        pipe = super().pipeline(transaction, shard_hint)
+    def pipeline(self, transaction: bool | None = None,
+                 shard_hint: str | None = None) -> redis.cluster.ClusterPipeline:
+        pipe = cast(redis.cluster.ClusterPipeline,
+                    super().pipeline(transaction, shard_hint))  # type: ignore[no-untyped-call]
         pipe._policy_resolver = self._policy_resolver
         return pipe
 
@@ -408,30 +449,40 @@ class _StreamsCluster(redis.cluster.RedisCluster):
 # (sync_streams_client). Code that takes either names this type.
 StreamsClient = redis.Redis | redis.cluster.RedisCluster
 StreamsPipeline = redis.client.Pipeline | redis.cluster.ClusterPipeline  # of either
+# The same for asyncio (async_streams_client).
+AsyncStreamsClient = aioredis.Redis | aiocluster.RedisCluster
 
 
-def sync_streams_client(url: str, **kwargs: Any) -> Any:
+def sync_streams_client(url: str, *, socket_connect_timeout: float = CONNECT_TIMEOUT_S,
+                        socket_timeout: float = SOCKET_TIMEOUT_S) -> StreamsClient:
     """A client of the token streams' Redis (`url`, TIDEGATE_STREAMS_URL, or the main Redis's
     URL when that is empty): redis-py's RedisCluster for a cluster, which follows MOVED
     answers and a failover's new layout, retrying a command on a connection error
-    (cluster_error_retry_attempts); else `sync_client`. Any: the two share no type."""
+    (cluster_error_retry_attempts); else `sync_client`."""
     if not is_cluster(url):
-        return sync_client(url, **kwargs)
+        return sync_client(url, socket_connect_timeout=socket_connect_timeout,
+                           socket_timeout=socket_timeout)
     target = parse_cluster(url)
     return _StreamsCluster(
-        startup_nodes=[redis.cluster.ClusterNode(h, p) for h, p in target.nodes],
-        policy_resolver=_ScriptsByKeys(), **_cluster_kwargs(target, kwargs))
+        startup_nodes=[redis.cluster.ClusterNode(h, p)  # type: ignore[no-untyped-call]
+                       for h, p in target.nodes],
+        policy_resolver=_ScriptsByKeys(),
+        **_cluster_kwargs(target, timeouts(socket_connect_timeout, socket_timeout)))
 
 
 def async_streams_client(url: str, *, max_connections: int | None = None,
-                         pool_timeout_s: float | None = None, **kwargs: Any) -> Any:
+                         pool_timeout_s: float | None = None,
+                         socket_connect_timeout: float = CONNECT_TIMEOUT_S,
+                         socket_timeout: float = SOCKET_TIMEOUT_S) -> AsyncStreamsClient:
     """`sync_streams_client` for asyncio: a cluster's client bounds each node's pool by
     `max_connections` (its own default when None)."""
     if not is_cluster(url):
         return async_client(url, max_connections=max_connections,
-                            pool_timeout_s=pool_timeout_s, **kwargs)
+                            pool_timeout_s=pool_timeout_s,
+                            socket_connect_timeout=socket_connect_timeout,
+                            socket_timeout=socket_timeout)
     target = parse_cluster(url)
-    options = _cluster_kwargs(target, kwargs)
+    options = _cluster_kwargs(target, timeouts(socket_connect_timeout, socket_timeout))
     if max_connections is not None:
         options["max_connections"] = max_connections
     return aiocluster.RedisCluster(

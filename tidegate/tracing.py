@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -27,6 +26,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, format_trace_id
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from tidegate.settings import Settings
 
@@ -73,7 +73,8 @@ def carrier() -> dict[str, str]:
 
 
 @contextmanager
-def span(name: str, attributes: Mapping[str, Any], parent: Mapping[str, str] | None = None,
+def span(name: str, attributes: Mapping[str, AttributeValue],
+         parent: Mapping[str, str] | None = None,
          kind: SpanKind = SpanKind.INTERNAL) -> Iterator[Span]:
     """A span around the block, current inside it: a child of the current span, or of the
     trace context in `parent` (a carrier from another process). A no-op while tracing is
@@ -96,5 +97,5 @@ def annotate(**attributes: str | int | float | bool) -> None:
     trace.get_current_span().set_attributes(_named(attributes))
 
 
-def _named(attributes: Mapping[str, Any]) -> dict[str, Any]:
+def _named(attributes: Mapping[str, AttributeValue]) -> dict[str, AttributeValue]:
     return {f"tidegate.{key}": value for key, value in attributes.items()}

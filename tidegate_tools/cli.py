@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from tidegate.niceness import lower_cpu_priority
-from tidegate.settings import get_settings
+from tidegate.settings import Settings, get_settings
+from tidegate_tools.argtypes import positive, priority, weight
+from tidegate_tools.cli_kv import add_kv_parser
 
 
 def _model_build_test(args: argparse.Namespace) -> None:
@@ -172,7 +173,7 @@ def _api(args: argparse.Namespace) -> None:
 JOB_PATH = r"^/v1/jobs/(?:chatcmpl-|cmpl-)?([0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})"
 
 
-def _api_logging(settings: Any) -> None:
+def _api_logging(settings: Settings) -> None:
     """The API's lines, uvicorn's own among them, in the one log format; its access lines
     carry paths without their query strings, and the job a path names."""
     import logging
@@ -251,7 +252,7 @@ def _log_level(args: argparse.Namespace) -> str:
     return settings.log_level
 
 
-def _set_tenant(command: str, name: str, **values: Any) -> None:
+def _set_tenant(command: str, name: str, **values: int | None) -> None:
     """One of a tenant's settings changed (store/tenants.py TENANT_FIELDS), then announced."""
     from store import Store
     from store.tenants import Tenants
@@ -272,18 +273,6 @@ def _tenant_max_priority(args: argparse.Namespace) -> None:
 def _tenant_weight(args: argparse.Namespace) -> None:
     _set_tenant("weight", args.name, fair_weight=args.weight)
     print(f"tenant {args.name}: fair queuing weight {args.weight or 1}")
-
-
-def _weight(raw: str) -> int:
-    if not (raw.isdigit() and 1 <= int(raw) <= 1000):
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a weight 1-1000")
-    return int(raw)
-
-
-def _priority(raw: str) -> int:
-    if not (raw.isdigit() and 0 <= int(raw) <= 9):
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a priority 0-9")
-    return int(raw)
 
 
 def _tenant_webhook(args: argparse.Namespace) -> None:
@@ -319,44 +308,6 @@ def _docs(args: argparse.Namespace) -> None:
     from tidegate_tools import docgen
 
     sys.exit(docgen.run(check=args.check))
-
-
-def _kv_replay(args: argparse.Namespace) -> None:
-    import json
-
-    from workers.kvcache.sim import replay
-    from workers.kvcache.trace import TraceError, read_trace, session_metas
-
-    lanes = get_settings().lanes
-    if args.lane not in lanes:
-        sys.exit(f"tidegate kv replay: unknown lane {args.lane!r}; lanes: {sorted(lanes)}")
-    try:
-        requests = read_trace(args.trace)
-    except TraceError as exc:
-        sys.exit(f"tidegate kv replay: {exc}")
-    metas = list(session_metas(requests, set(args.one_shot_types.split(",")), args.lane))
-    try:
-        result = replay(requests, metas, args.policy, args.capacity_blocks,
-                        lanes[args.lane].kv_policy, block_tokens=args.block_tokens)
-    except ValueError as exc:
-        sys.exit(f"tidegate kv replay: {exc}")
-    print(json.dumps(result.summary()))
-
-
-def _kv_synth(args: argparse.Namespace) -> None:
-    import json
-    from dataclasses import asdict, fields
-
-    from workers.kvcache.synth import SynthParams, synthesize
-    from workers.kvcache.trace import write_trace
-
-    options = {f.name: getattr(args, f.name) for f in fields(SynthParams)}
-    try:
-        params = SynthParams().with_options(**options)
-        count = write_trace(args.out, synthesize(params))
-    except (ValueError, OSError) as exc:
-        sys.exit(f"tidegate kv synth: {exc}")
-    print(json.dumps({"trace": str(args.out), "requests": count, "params": asdict(params)}))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -397,7 +348,7 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("api", help="run the HTTP API")
     a.add_argument("--host", default=None)
     a.add_argument("--port", type=int, default=None)
-    a.add_argument("--workers", type=_positive, default=1,
+    a.add_argument("--workers", type=positive, default=1,
                    help="API processes on the one port (default 1); past one, this process "
                    "only starts them, and stops them when it is stopped")
     a.add_argument("--socket-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -409,7 +360,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="show the fleet").set_defaults(func=_status)
     sub.add_parser("up", help="the whole stack on the defaults, in the foreground, until "
                    "Ctrl-C (`make up`)").set_defaults(func=_up)
-    _kv_parser(sub)
+    add_kv_parser(sub)
     docs = sub.add_parser("docs", help="write the generated docs: docs/settings.md (from the "
                           "settings and lanes) and each page's contents (`make docs`)")
     docs.add_argument("--check", action="store_true", help="write nothing; exit 1 if stale")
@@ -427,15 +378,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tenant_parser(sub: Any) -> None:
+def _tenant_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     t = sub.add_parser("tenant", help="API keys").add_subparsers(dest="tenant_cmd", required=True)
     c = t.add_parser("create", help="create a tenant and print its API key once")
     c.add_argument("name")
     c.add_argument("--lanes", required=True, help="comma-separated lanes, e.g. finance,chat")
-    c.add_argument("--rpm", type=_positive, default=None, help="requests per minute")
-    c.add_argument("--tpm", type=_positive, default=None,
+    c.add_argument("--rpm", type=positive, default=None, help="requests per minute")
+    c.add_argument("--tpm", type=positive, default=None,
                    help="tokens per minute (prompt plus max_tokens)")
-    c.add_argument("--max-priority", type=_priority, default=None,
+    c.add_argument("--max-priority", type=priority, default=None,
                    help="the highest priority its jobs may ask, 0-9 (9 most urgent; "
                    "default: each lane's default priority)")
     t.add_parser("list", help="list tenants")
@@ -446,13 +397,13 @@ def _tenant_parser(sub: Any) -> None:
     m = t.add_parser("max-priority", help="set (or, with none, clear: each lane's default) "
                      "the highest priority a tenant's jobs may ask")
     m.add_argument("name")
-    m.add_argument("priority", nargs="?", type=_priority, default=None)
+    m.add_argument("priority", nargs="?", type=priority, default=None)
     m.set_defaults(func=_tenant_max_priority)
     fw = t.add_parser("weight", help="set (or, with none, reset to 1) a tenant's weight in "
                       "each lane's fair queuing: backlogged tenants share a lane in "
                       "proportion to their weights")
     fw.add_argument("name")
-    fw.add_argument("weight", nargs="?", type=_weight, default=None)
+    fw.add_argument("weight", nargs="?", type=weight, default=None)
     fw.set_defaults(func=_tenant_weight)
     w = t.add_parser("webhook", help="set (or, with no URL, clear) a tenant's default "
                      "callback_url")
@@ -480,58 +431,6 @@ def _tenant_parser(sub: Any) -> None:
         c = ak.add_parser(cmd, help=f"{cmd} an admin key (create prints it once)")
         c.add_argument("name")
         c.set_defaults(func=_admin_key)
-
-
-def _kv_parser(sub: Any) -> None:
-    from pathlib import Path
-
-    kv = sub.add_parser("kv", help="KV cache: trace replay and synthetic traces").add_subparsers(
-        dest="kv_cmd", required=True)
-    r = kv.add_parser("replay", help="hit rate of an eviction policy on a trace (JSONL, the "
-                      "Qwen-Bailian schema); the last line is JSON")
-    r.add_argument("--trace", type=Path, required=True)
-    r.add_argument("--capacity-blocks", type=_positive, required=True)
-    r.add_argument("--policy", choices=["lru", "session", "belady", "infinite"], required=True)
-    r.add_argument("--block-tokens", type=_positive, default=16,
-                   help="the engine's block size, a multiple of 16 (default 16)")
-    r.add_argument("--lane", default="chat", help="whose kv_policy parameters (lanes file)")
-    r.add_argument("--one-shot-types", default="oneshot",
-                   help="trace `type` values of one-shot requests (comma list)")
-    r.set_defaults(func=_kv_replay)
-    s = kv.add_parser("synth", help="write a synthetic multi-turn trace (workers/kvcache/synth.py "
-                      "documents every parameter)")
-    s.add_argument("--out", type=Path, required=True)
-    _synth_options(s)
-    s.set_defaults(func=_kv_synth)
-
-
-def _synth_options(parser: argparse.ArgumentParser) -> None:
-    from dataclasses import fields
-
-    from workers.kvcache.synth import SynthParams
-
-    defaults = SynthParams()
-    for f in fields(SynthParams):
-        default = getattr(defaults, f.name)
-        kind: Callable[[str], Any] = _turn_range if isinstance(default, tuple) else type(default)
-        shown = "-".join(map(str, default)) if isinstance(default, tuple) else default
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
-                            help=f"default {shown}")
-
-
-def _turn_range(raw: str) -> tuple[int, int]:
-    low, sep, high = raw.partition("-")
-    try:
-        return (int(low), int(high)) if sep else (int(low), int(low))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a turn range like 2-4") from None
-
-
-def _positive(raw: str) -> int:
-    value = int(raw)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, not {raw}")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> None:

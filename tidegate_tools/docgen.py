@@ -110,7 +110,7 @@ def bounds(info: FieldInfo) -> str:
     return ", ".join(text)
 
 
-def _mark(marks: dict[str, Any], *kinds: tuple[str, str, str]) -> tuple[str, Any]:
+def _mark(marks: dict[str, object], *kinds: tuple[str, str, str]) -> tuple[str, Any]:
     """The first of `kinds` (annotated_types class, its sign, its attribute) present."""
     for kind, sign, attr in kinds:
         if kind in marks:
@@ -118,7 +118,7 @@ def _mark(marks: dict[str, Any], *kinds: tuple[str, str, str]) -> tuple[str, Any
     return "", None
 
 
-def value_text(value: Any) -> str:
+def value_text(value: object) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     if isinstance(value, Path):
@@ -274,7 +274,7 @@ def _lanes_part() -> list[str]:
     return [*parts, ""]
 
 
-def _lane_value(value: Any) -> str:
+def _lane_value(value: object) -> str:
     if isinstance(value, KvPolicy):
         changed = {k: v for k, v in value if v != KvPolicy.model_fields[k].default}
         return ", ".join(f"{k} {value_text(v)}" for k, v in changed.items()) or "defaults"

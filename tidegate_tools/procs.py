@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 from urllib.parse import urlparse
 
 import redis
@@ -250,7 +250,7 @@ def command_text(client: redis.Redis, *args: str) -> str:
     return str(client.execute_command(*args))  # type: ignore[no-untyped-call]
 
 
-def replication_info(client: redis.Redis) -> dict[str, Any]:
+def replication_info(client: redis.Redis) -> dict[str, object]:
     info = client.info("replication")
     if not isinstance(info, dict):
         raise TypeError(f"INFO replication answered {info!r}")

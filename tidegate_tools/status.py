@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
 
 from tidegate import redisconn
 from tidegate.fleet import read_fleet, recent_actions
@@ -54,5 +53,5 @@ def _port(port: int) -> str:
     return f":{port}" if port else "-"
 
 
-def _ms(value: Any) -> str:
+def _ms(value: object) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) else "-"

@@ -1,7 +1,7 @@
 """A lending worker pulls other lanes' waiting jobs onto its idle slots.
 
 Work-conserving lanes have two halves. The router lends at submit time, from heartbeats
-(scheduler/router.py, step 4): it can only place a job that arrives while a lender's slot
+(tidegate/router.py, step 4): it can only place a job that arrives while a lender's slot
 is idle. The jobs of a burst queued while every slot was busy would still wait for their
 own lane's workers after a lender's slots went idle. So a worker whose lane lends
 (`lend_to`) also looks every LEND_POLL_S while it is active: when it has slots idle,

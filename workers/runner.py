@@ -217,7 +217,7 @@ def _generate(ctx: WorkerContext, payload: GeneratePayload, progress: Progress,
               "died after its first tokens; a job with several choices cannot resume",
               progress)
         return AttemptOutcome.ERROR
-    borrowed = payload.lane not in ctx.lanes  # on a slot another lane lent (scheduler/router.py)
+    borrowed = payload.lane not in ctx.lanes  # on a slot another lane lent (tidegate/router.py)
     request = engine_request(payload, remaining, state, BORROWED if borrowed else OWN)
     if ctx.metrics is not None:
         ctx.metrics.prefilled(payload.lane, payload.prompt_tokens)

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.router import NoRoute, WorkerView, route
 from tasks.payloads import GeneratePayload, Sampling
 from tidegate import capabilities as cap
 from tidegate.lanes import Lane
 from tidegate.records import WorkerState
+from tidegate.router import NoRoute, WorkerView, route
 from workers.engine import ChoiceDelta, Delta
 from workers.host import merge
 from workers.sim_engine import SimEngine

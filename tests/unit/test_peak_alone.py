@@ -56,7 +56,7 @@ def test_the_result_is_the_same_without_e2e_json_or_with_it_rewritten(
     rewritten = small_run(monkeypatch)
     assert absent == rewritten
     assert absent["pre-warming"]["cold_starts"] >= 0
-    repo_results = str(Path(peak.ROOT) / "bench" / "results")
+    repo_results = str(Path(bench.common.ROOT) / "bench" / "results")
     for paths in (read_first, opened):  # the profiles file and the lanes file, nothing else
         assert not [p for p in paths if p.startswith((str(results), repo_results))], paths
         assert any(p.endswith("sim_profiles.toml") for p in paths)

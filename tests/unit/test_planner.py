@@ -15,7 +15,7 @@ from scheduler.planner import (
     servers_per_worker,
     wait_quantile_s,
 )
-from scheduler.router import WorkerView
+from tidegate.router import WorkerView
 
 SERVICE_S = 1.5
 SLOTS = 64

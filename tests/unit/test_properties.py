@@ -19,13 +19,13 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from scheduler import router
 from scheduler.forecast import forecast
 from scheduler.peaks import PeakWindow, peak_factor
 from scheduler.planner import plan
-from scheduler.router import NoRoute, WorkerView
+from tidegate import router
 from tidegate.lanes import DEFAULT_LANES_FILE, KvPolicy, load_lanes, pool_queue
 from tidegate.records import WorkerState
+from tidegate.router import NoRoute, WorkerView
 from workers.kvcache.policy import SessionMeta, session_priority
 from workers.kvcache.sim import replay
 from workers.kvcache.synth import SynthParams, synthesize

@@ -12,11 +12,11 @@ import pytest
 
 from scheduler import autoscale
 from scheduler.planner import plan
-from scheduler.router import WorkerView
 from tidegate import keys
 from tidegate.clock import REAL, Clock
 from tidegate.lanes import Lane, load_lanes
 from tidegate.records import WorkerState
+from tidegate.router import WorkerView
 from tidegate.settings import Settings, SettingsError, get_settings
 from workers.engine import EngineConfig
 from workers.sim_engine import SimEngine

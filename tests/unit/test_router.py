@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from scheduler.router import NoRoute, WorkerView, estimated_wait_ms, route
 from tidegate.lanes import Lane
+from tidegate.router import NoRoute, WorkerView, estimated_wait_ms, route
 
 LANE = Lane(name="chat", queue="chat", pools=["trtllm", "vllm"], ttft_p99_objective_ms=2000)
 

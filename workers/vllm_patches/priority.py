@@ -4,7 +4,7 @@ With `scheduling_policy="priority"` vLLM orders its waiting requests by priority
 KV blocks run out, preempts the least urgent running request. It does not preempt for a
 *slot*: once `max_num_seqs` requests run, a waiting request of any priority waits for one
 of them to end. A worker that lends its idle slots to another lane's jobs (the router's
-borrowing, scheduler/router.py) needs its own lane's arrivals to take a slot back at once,
+borrowing, tidegate/router.py) needs its own lane's arrivals to take a slot back at once,
 not after a borrowed request's hundreds of tokens.
 
 Before each step, while every slot is taken and the most urgent waiting request is more
