@@ -208,13 +208,13 @@ def _ending(answer: Answer, calls: ToolCalls, fan: _Fanout,
     job ends in an error chunk: its answer is not whole, and says so."""
     if event.kind == "done" and event.data.get("finish_reason") == "cancelled":
         data = {"code": CANCELLED, "message": "the job was cancelled before it ended"}
-        return _error_frame(data), {"error": data}
+        return _job_error_chunk(data), {"error": data}
     if event.kind == "done":
         done = end_data(event)
         frames = fan.ends(done) if answer.n > 1 else _end_frames(answer, calls, done)
         return frames, done
     if event.kind == "error":
-        return _error_frame(event.data), {"error": event.data}
+        return _job_error_chunk(event.data), {"error": event.data}
     return None
 
 
@@ -227,7 +227,7 @@ def _row_ending(answer: Answer, row: JobRecord, streamed: str,
         data = {"code": "events_lost", "message": "the job's events were lost before its "
                 "choices were streamed"}
     if data is not None:
-        return _error_frame(data), {"error": data}
+        return _job_error_chunk(data), {"error": data}
     done = done_of(row)
     rest = (row.output_text or "")[len(streamed):]
     out = _token_frame(answer, calls, rest, None) if rest else b""
@@ -301,7 +301,7 @@ class _Fanout:
                         for i in range(self.answer.n) if i not in self.ended)
 
 
-def _error_frame(data: Mapping[str, object]) -> bytes:
+def _job_error_chunk(data: Mapping[str, object]) -> bytes:
     """A job's error (its `error` event's data) as OpenAI's error chunk."""
     error = job_error(data)
     return error_frame(error.kind, error.message, openai=True)

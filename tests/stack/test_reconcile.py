@@ -8,8 +8,11 @@ the session's workers.
 What the tests break, and how:
 - Redis restarted empty: the session's redis-server is SIGKILLed and started again on its
   port with no data, while jobs wait queued (both workers SIGSTOPped meanwhile, their
-  heartbeats kept alive so the API still routes to them). The module's last test; it
-  waits for both workers to serve again before it ends, for the modules after it.
+  heartbeats kept alive so the API still routes to them). It waits for both workers to
+  serve again before it ends, for the modules after it.
+- Redis down while a job runs (the default deployment: broker and streams on that one
+  Redis): the session's redis-server SIGKILLed while the chat worker holds a job
+  mid-generation, a submit meanwhile, then Redis started again empty.
 - A dead worker that took a job (findings 6 and 7b): a third chat worker of the test's own
   (`doomed`), held mid-job (workers/faults.py TokenHold) and SIGKILLed with its process
   group, engine included: its heartbeat and lease lapse, its message stays taken
@@ -32,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from kombu.exceptions import OperationalError
@@ -330,6 +334,52 @@ def stack_serves(stack: Stack) -> bool:
     answered = {name for reply in replies or [] for name in reply}
     return answered == set(stack.workers.values()) and api_ready(stack.base_url,
                                                                   stack.workers.values())
+
+
+HELD_AFTER = 8  # tokens the running job streams before its worker holds it
+LONG_TOKENS = 64
+
+
+@pytest.mark.timeout(900)
+def test_the_one_redis_down_refuses_submits_503_while_the_running_job_goes_on(
+        stack: Stack, scheduler: Proc, redis_procs: list[Proc], tmp_root: Path) -> None:
+    """Broker and streams on one Redis (the default deployment). While it is down a
+    submit answers 503 with Retry-After, and the job already running goes on: its worker
+    holds it mid-generation across the outage (workers/faults.py TokenHold), and once
+    Redis is back, empty, its consumer gets every event once, in order, to `done`."""
+    chat = stack.workers["chat"]
+    hold([chat], HELD_AFTER)
+    try:
+        with Client(stack.base_url, stack.api_key) as client:
+            job_id = str(client.submit("chat", prompt=PROMPT, max_tokens=LONG_TOKENS,
+                                       temperature=0.0, deadline_s=60)["job_id"])
+        reader = Reader(stack, job_id)
+        wait_until(lambda: engine_stats(chat)["held"] == job_id, 60,
+                   f"the chat worker to hold job {job_id}", worker_procs(stack), poll_s=0.05)
+        wait_until(lambda: len(reader.events) >= HELD_AFTER, 30,
+                   "the consumer to read the tokens streamed before the hold")
+        old = redis_procs[-1]
+        os.kill(old.popen.pid, signal.SIGKILL)
+        old.popen.wait()
+        resp = httpx.post(f"{stack.base_url}/v1/jobs", timeout=30,
+                          json={"lane": "chat", "prompt": PROMPT, "max_tokens": MAX_TOKENS},
+                          headers={"Authorization": f"Bearer {stack.api_key}"})
+        assert resp.status_code == 503, resp.text
+        assert float(resp.headers["retry-after"]) > 0
+        redis_procs.append(start_redis(REDIS_PORT, tmp_root / "logs" / "redis-down"))
+        wait_until(lambda: stack_serves(stack), 120, "the stack to serve again",
+                   [redis_procs[-1], *worker_procs(stack)])
+        hold([chat], 0)
+        wait_until(reader.ended, 120, f"job {job_id} to end", worker_procs(stack))
+        check_stream(reader, "done")
+        row = stack.store.jobs.get_job(job_id)
+        assert row is not None and row.status == "done"
+        assert row.output_text == "".join(e.text for e in reader.events if e.kind == "token")
+    finally:
+        with contextlib.suppress(Exception):
+            hold([chat], 0)
+        wait_until(lambda: stack_serves(stack), 120, "the session's stack to serve again",
+                   [redis_procs[-1], *worker_procs(stack)])
 
 
 def test_jobs_queued_when_redis_restarts_empty_all_end_done(

@@ -3,13 +3,16 @@ connection made. A test here that tries either fails at once, naming what it tri
 a test that needs Redis, a server or a tool goes to tests/stack, where the fixtures
 start and stop what it needs.
 
-The guard is plain monkeypatching of the two doors (socket connect and bind, process
-spawn), not a plugin: pytest-socket would cover sockets only.
+The guard is plain monkeypatching of the doors (socket connect and bind; process spawn
+through subprocess, os.system, os.posix_spawn and os.fork, which multiprocessing uses), not
+a plugin: pytest-socket would cover sockets only. tests/unit/test_unit_guard.py checks
+that each door is shut.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 from collections.abc import Iterator
@@ -45,9 +48,18 @@ def _no_process(*args: Any, **kwargs: Any) -> Any:
                          "tests/unit starts none; move the test to tests/stack")
 
 
+def _no_os_process(name: str) -> Any:
+    def guard(*args: Any, **kwargs: Any) -> Any:
+        raise NotInUnitTests(f"os.{name}{args!r}: tests/unit starts no process; move the "
+                             "test to tests/stack")
+    return guard
+
+
 @pytest.fixture(autouse=True)
 def no_network_no_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for name in ("connect", "connect_ex", "bind"):
         monkeypatch.setattr(socket.socket, name, _guarded(name, getattr(socket.socket, name)))
     monkeypatch.setattr(subprocess.Popen, "__init__", _no_process)
+    for name in ("system", "posix_spawn", "posix_spawnp", "fork"):
+        monkeypatch.setattr(os, name, _no_os_process(name))
     yield

@@ -23,7 +23,14 @@ from scheduler.forecast import forecast
 from scheduler.peaks import PeakWindow, peak_factor
 from scheduler.planner import plan
 from tidegate import router
-from tidegate.lanes import DEFAULT_LANES_FILE, KvPolicy, load_lanes, pool_queue
+from tidegate.lanes import (
+    DEFAULT_LANES_FILE,
+    KvPolicy,
+    Lane,
+    lendable_slots,
+    load_lanes,
+    pool_queue,
+)
 from tidegate.records import WorkerState
 from tidegate.router import NoRoute, WorkerView
 from workers.kvcache.policy import SessionMeta, session_priority
@@ -82,6 +89,67 @@ def test_the_router_only_ever_chooses_an_active_worker_of_the_lane(
         assert lora is None
         pool = next(p for p in POOLS if pool_queue(LANE, p) == got.queue)
         assert any(w.pool == pool for w in active)
+
+
+# Lending (work-conserving lanes): finance (16-bit) lends to chat (FP8 KV) and chat to
+# finance; a finance job may run on an FP8 chat slot only with finance's consent.
+NAMES = [f"w{i}" for i in range(6)]
+
+
+@st.composite
+def lending_lanes(draw: st.DrawFn) -> dict[str, Lane]:
+    finance = Lane(name="finance", queue="finance", pools=["vllm"], kv_cache_dtype="auto",
+                   lend_to=["chat"], lend_max_share=draw(st.sampled_from([0.25, 0.5, 1.0])),
+                   borrow_lower_precision=draw(st.booleans()))
+    chat = Lane(name="chat", queue="chat", pools=["vllm"], kv_cache_dtype="fp8",
+                lend_to=["finance"], lend_max_share=draw(st.sampled_from([0.25, 0.5, 1.0])))
+    return {"finance": finance, "chat": chat}
+
+
+lending_workers = st.builds(
+    WorkerView, name=st.sampled_from(NAMES), pool=st.just("vllm"),
+    lanes=st.sampled_from([frozenset({"finance"}), frozenset({"chat"})]),
+    # mostly active: lending needs an active lender and a busy borrowing lane
+    state=st.sampled_from([WorkerState.ACTIVE] * 3 + list(WorkerState)),
+    slots=st.integers(1, 16), running=st.integers(0, 16), waiting=st.integers(0, 4),
+    borrowed=st.integers(0, 8),
+    mean_job_ms=st.one_of(st.none(), st.floats(10.0, 10_000.0)))
+
+
+@given(lanes=lending_lanes(),
+       fleet=st.lists(lending_workers, min_size=2, max_size=6).map(_unique),
+       guest=st.sampled_from(["finance", "chat"]),
+       backlog=st.dictionaries(st.sampled_from(["finance.vllm", "chat.vllm"]),
+                               st.integers(0, 50)),
+       sends=st.lists(st.integers(0, 3), min_size=len(NAMES), max_size=len(NAMES)))
+@settings(max_examples=600)
+def test_a_lane_lends_only_idle_slots_it_can_spare_and_only_where_the_borrower_may_run(
+        lanes: dict[str, Lane], fleet: list[WorkerView], guest: str,
+        backlog: dict[str, int], sends: list[int]) -> None:
+    """A lane's objective is never spent on a borrower: a job borrows a slot only of an
+    active worker of a lane that lends to it at a precision it accepts, while that lane's
+    own jobs are not waiting, the slot was idle at the worker's beat and not sent another
+    borrowed job since, within the lender's share."""
+    backlog = {pool_queue(lanes[q.split(".")[0]], "vllm"): n for q, n in backlog.items()}
+    lent = dict(zip(NAMES, sends, strict=True))  # borrowed jobs sent since each beat
+    try:
+        got = router.route(lanes[guest], fleet, backlog, lambda name: f"direct.{name}",
+                           lanes=lanes, lent=lent)
+    except NoRoute:
+        return
+    if not got.borrowed:
+        assert got.worker is None or guest in next(w for w in fleet if w.name == got.worker).lanes
+        return
+    w = next(w for w in fleet if w.name == got.worker)
+    (owner,) = (lanes[n] for n in w.lanes)
+    assert w.state == WorkerState.ACTIVE and guest not in w.lanes
+    assert guest in owner.lend_to
+    if (guest, owner.name) == ("finance", "chat"):  # 16-bit weights, FP8 KV cache: consent
+        assert lanes["finance"].borrow_lower_precision
+    assert backlog.get(pool_queue(owner, w.pool), 0) == 0
+    sent = lent.get(w.name, 0)
+    assert w.busy + sent < w.slots
+    assert w.borrowed + sent < lendable_slots(owner, w.slots)
 
 
 # ---------------------------------------------------------------- the planner
