@@ -3,6 +3,7 @@ tenants and jobs, queue lengths, reading a job's events)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -225,6 +226,44 @@ def api_of_its_own(redis_server: str, tmp_root: Any, name: str, db: int,
             yield ApiOfItsOwn(base_url, app, Store(url), client, config.namespace)
     finally:
         client.flushdb()
+
+
+class Held:
+    """An API of its own's admission threads held busy by calls of the test's own (each on
+    a loop of its own in a thread), released one at a time (tests/stack/test_front_door.py:
+    what waits behind whom for admission)."""
+
+    def __init__(self, own: ApiOfItsOwn) -> None:
+        self.admission = own.app.state.deps.admission
+        self.releases: list[threading.Event] = []
+        self.threads: list[threading.Thread] = []
+
+    def hold(self, rank: tuple[float, ...], taken: bool = True) -> None:
+        """A call of `rank` that holds its thread until released: `taken` by a free thread
+        (wait until it runs), else left waiting in the queue (wait until it is there)."""
+        release, running = threading.Event(), threading.Event()
+        waiting = self.admission.waiting()
+
+        def held() -> None:
+            running.set()
+            release.wait(60)
+
+        thread = threading.Thread(target=lambda: asyncio.run(self.admission.run(rank, held)),
+                                  daemon=True)
+        thread.start()
+        self.releases.append(release)
+        self.threads.append(thread)
+        wait_until(lambda: running.is_set() if taken else self.admission.waiting() > waiting,
+                   10, "the hold to reach its admission thread or queue", poll_s=0.01)
+
+    def release(self, index: int | None = None) -> None:
+        for release in self.releases if index is None else [self.releases[index]]:
+            release.set()
+
+    def close(self) -> None:
+        self.release()
+        for thread in self.threads:
+            thread.join(timeout=10)
 
 
 def advertise(client: redis.Redis, namespace: str, name: str, lane: str, pool: str) -> None:

@@ -11,7 +11,6 @@ threads sending unknown keys, chunked bodies from generators that count what was
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import io
 import json
@@ -35,7 +34,7 @@ from api import auth
 from api.app import create_app
 from api.errors import ApiError
 from store.tenants import Tenants
-from tests.helpers import ApiOfItsOwn, api_of_its_own, metric, own_db
+from tests.helpers import ApiOfItsOwn, Held, api_of_its_own, metric, own_db
 from tidegate.logs import ContextFilter, TextFormatter
 from tidegate.settings import Settings
 from tidegate_tools.procs import Proc, free_port, wait_until
@@ -206,43 +205,6 @@ def test_401s_past_the_limit_from_one_address_answer_429_with_retry_after(
             assert known.post("/v1/jobs", json=JOB).status_code == 202
         with client(own, unknown_key(), "127.0.0.4") as elsewhere:  # another address
             assert elsewhere.get("/v1/jobs").status_code == 401
-
-
-class Held:
-    """The API's admission threads held busy by calls of the test's own (each on a loop of
-    its own in a thread), released one at a time."""
-
-    def __init__(self, own: ApiOfItsOwn) -> None:
-        self.admission = own.app.state.deps.admission
-        self.releases: list[threading.Event] = []
-        self.threads: list[threading.Thread] = []
-
-    def hold(self, rank: tuple[float, ...], taken: bool = True) -> None:
-        """A call of `rank` that holds its thread until released: `taken` by a free thread
-        (wait until it runs), else left waiting in the queue (wait until it is there)."""
-        release, running = threading.Event(), threading.Event()
-        waiting = self.admission.waiting()
-
-        def held() -> None:
-            running.set()
-            release.wait(60)
-
-        thread = threading.Thread(target=lambda: asyncio.run(self.admission.run(rank, held)),
-                                  daemon=True)
-        thread.start()
-        self.releases.append(release)
-        self.threads.append(thread)
-        wait_until(lambda: running.is_set() if taken else self.admission.waiting() > waiting,
-                   10, "the hold to reach its admission thread or queue", poll_s=0.01)
-
-    def release(self, index: int | None = None) -> None:
-        for release in self.releases if index is None else [self.releases[index]]:
-            release.set()
-
-    def close(self) -> None:
-        self.release()
-        for thread in self.threads:
-            thread.join(timeout=10)
 
 
 def test_a_resume_with_an_unknown_key_or_of_another_tenants_job_gets_no_resume_rank(
